@@ -1,0 +1,73 @@
+"""Test set-up: run Triton kernels through the interpreter when no GPU is present.
+
+``TRITON_INTERPRET`` must be set before triton is first imported, so this runs before
+any test module imports ``cascadeinfer``. Two measured traps of Triton 3.6's interpreter
+are patched here, in test set-up only, so the kernel code stays identical on both paths
+(see TRITON_NOTES.md):
+
+1. numpy >= 2.4 breaks loops with run-time bounds: ``tensor.__index__`` calls
+   ``int()`` on a 1-element array. We read the single element explicitly.
+2. bf16 is stored as raw uint16, so a bf16 ``tl.dot`` multiplies the bit patterns.
+   We convert bf16 dot operands to float32 first (exact).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+HAS_GPU = torch.cuda.is_available()
+if not HAS_GPU:
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("triton was imported before conftest could set TRITON_INTERPRET=1")
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+
+def _patch_interpreter() -> None:
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original_patch = interpreter._patch_lang_tensor
+
+    def patch_lang_tensor(tensor, scope):
+        original_patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+    original_dot = interpreter.InterpreterBuilder.create_dot
+
+    def as_fp32(h):
+        if h.dtype.scalar == tl.bfloat16 or h.dtype == tl.bfloat16:
+            data = interpreter._convert_float(h.data, tl.bfloat16, tl.float32, None).view(np.float32)
+            return interpreter.TensorHandle(data.reshape(h.data.shape), tl.float32)
+        return h
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return original_dot(self, as_fp32(a), as_fp32(b), d, input_precision, max_num_imprecise_acc)
+
+    interpreter.InterpreterBuilder.create_dot = create_dot
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_interpreter()
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_GPU:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def device() -> torch.device:
+    """The device kernels run on: CUDA when present, else CPU through the interpreter."""
+    return torch.device("cuda" if HAS_GPU else "cpu")
