@@ -1,0 +1,494 @@
+"""Per-request paged decode: one query token per request over its own paged KV (split-KV).
+
+Stage 1 (``_decode_kernel``) runs one program per (request, kv head, split). The query
+heads that share a kv head are packed into the M dimension of a ``tl.dot`` (padded to 16
+rows and masked), so each K/V tile is read from memory once for the whole group and the
+products run on tensor cores. A split owns a contiguous range of its request's pages,
+``cdiv(num_pages, num_splits)`` of them, computed inside the kernel from the page table;
+the grid comes from shapes only (``batch * num_kv_heads * num_splits`` programs), so the
+launch never reads the page table on the host and can be captured in a CUDA graph.
+
+With one split the kernel writes the output and the natural-log LSE directly. With more,
+each split writes its attention state (normalised fp32 output, natural-log LSE; an empty
+range gives ``(0, -inf)``) and stage 2, :func:`cascadeinfer.kernels.merge.merge_states`,
+merges them into the output.
+
+Inside the kernel scores are kept in base 2: ``log2(e) * sm_scale`` is folded into one
+scale and the softmax uses ``exp2``; the LSE is turned back into a natural log at the store.
+
+fp32 inputs use ``input_precision="ieee"`` for both products (exact fp32 on the GPU, no
+tf32 rounding); fp16/bf16 inputs run the products on tensor cores with the probabilities
+rounded to the input dtype before ``p @ v`` (the usual flash-attention trade: error about
+one unit of the input precision).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from cascadeinfer._checks import (
+    FLOAT_DTYPES,
+    capturing,
+    check_int32_vector,
+    check_last_dim_contiguous,
+    check_tensor,
+    default_sm_scale,
+    next_power_of_2,
+    same_device,
+    use_triton,
+)
+from cascadeinfer.layouts.paged_cache import PagedKV, PagedKVCache, unpack_paged_kv_cache
+
+LOG2E = 1.4426950408889634  # log2(e): natural-log scores -> base-2 scores
+LN2 = 0.6931471805599453  # ln(2): base-2 LSE -> natural-log LSE
+
+
+@triton.jit
+def _decode_tile(
+    acc, l_i, m_i,  # running state: [BLOCK_H, BLOCK_D] fp32, [BLOCK_H] fp32, [BLOCK_H] fp32 (base 2)
+    q,  # [BLOCK_H, BLOCK_D] the packed query heads, input dtype
+    k_ptr,  # K pool, already offset to this kv head
+    v_ptr,  # V pool, already offset to this kv head
+    page_ptr,  # [num_pages_of_request] int32: kv_indices + kv_indptr[request]
+    t,  # first token of this tile (position inside the request)
+    t_end,  # one past the last token this program reads
+    stride_page, stride_token,
+    qk_scale,  # sm_scale * log2(e)
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    MASKED: tl.constexpr,  # the tile may reach past t_end (the tail tile)
+    IEEE: tl.constexpr,  # fp32 inputs: exact fp32 products
+):
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    tok = t + offs_n  # [BLOCK_N]
+    if PAGE_SIZE % BLOCK_N == 0:
+        # The whole tile lies inside one page (t is a multiple of BLOCK_N): one index load.
+        page = tl.load(page_ptr + t // PAGE_SIZE).to(tl.int64)
+        rows = page * stride_page + (tok % PAGE_SIZE).to(tl.int64) * stride_token
+    else:
+        # Small pages: look up each token's page (BLOCK_N // PAGE_SIZE distinct indices).
+        if MASKED:
+            page = tl.load(page_ptr + tok // PAGE_SIZE, mask=tok < t_end, other=0)
+        else:
+            page = tl.load(page_ptr + tok // PAGE_SIZE)
+        rows = page.to(tl.int64) * stride_page + (tok % PAGE_SIZE).to(tl.int64) * stride_token
+    offs = rows[:, None] + offs_d[None, :]  # [BLOCK_N, BLOCK_D] int64
+
+    # K and V stay in the input dtype: they only feed tl.dot (no elementwise math on them).
+    if MASKED:
+        mask_n = tok < t_end
+        if BLOCK_D == HEAD_DIM:
+            mask = mask_n[:, None] & (offs_d < BLOCK_D)[None, :]
+        else:
+            mask = mask_n[:, None] & (offs_d < HEAD_DIM)[None, :]
+        k = tl.load(k_ptr + offs, mask=mask, other=0.0)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+    elif BLOCK_D == HEAD_DIM:
+        k = tl.load(k_ptr + offs)
+        v = tl.load(v_ptr + offs)
+    else:
+        mask = (offs_n < BLOCK_N)[:, None] & (offs_d < HEAD_DIM)[None, :]
+        k = tl.load(k_ptr + offs, mask=mask, other=0.0)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = s * qk_scale  # [BLOCK_H, BLOCK_N] base-2 scores
+    if MASKED:
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: subtract 0, not -inf
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IEEE:
+        acc = tl.dot(p, v, acc * alpha[:, None], input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,  # [batch, num_qo_heads, head_dim], strides (stride_qb, stride_qh, 1)
+    k_ptr,  # K pool: page/token/head strides below, head_dim stride 1
+    v_ptr,  # V pool: same strides as K
+    kv_indptr_ptr,  # [batch + 1] int32
+    kv_indices_ptr,  # [>= kv_indptr[batch]] int32 page ids
+    kv_last_page_len_ptr,  # [batch] int32
+    o_ptr,  # [batch, num_splits, num_qo_heads, head_dim] fp32 partials, or out [batch, num_qo_heads, head_dim]
+    lse_ptr,  # [batch, num_splits, num_qo_heads] float32 natural log (partials or the final lse)
+    qk_scale,  # sm_scale * log2(e)
+    num_kv_heads,
+    num_splits,
+    stride_qb, stride_qh,
+    stride_page, stride_token, stride_head,
+    stride_ob, stride_os, stride_oh,
+    stride_lb, stride_ls, stride_lh,
+    GROUP: tl.constexpr,  # num_qo_heads // num_kv_heads
+    BLOCK_H: tl.constexpr,  # GROUP padded to a power of two >= 16
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # HEAD_DIM padded to a power of two >= 16
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # keys per tile
+    NUM_STAGES: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kv_head = pid % num_kv_heads
+    rest = pid // num_kv_heads
+    split = rest % num_splits
+    req = rest // num_splits
+
+    # This split's token range: pages [split * per, (split + 1) * per) of the request.
+    row_start = tl.load(kv_indptr_ptr + req)
+    num_pages = tl.load(kv_indptr_ptr + req + 1) - row_start
+    last_len = tl.load(kv_last_page_len_ptr + req)
+    seq_len = tl.where(num_pages > 0, (num_pages - 1) * PAGE_SIZE + last_len, 0)
+    per_split = tl.cdiv(num_pages, num_splits)
+    t_begin = split * per_split * PAGE_SIZE
+    t_end = tl.minimum((split + 1) * per_split * PAGE_SIZE, seq_len)  # never past the row's pages
+    t_full = t_begin + tl.maximum(t_end - t_begin, 0) // BLOCK_N * BLOCK_N
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + offs_h  # [BLOCK_H] query heads of this kv head
+    mask_h = offs_h < GROUP
+    mask_q = mask_h[:, None] & (offs_d < HEAD_DIM)[None, :]
+    q_offs = req.to(tl.int64) * stride_qb + heads.to(tl.int64)[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptr + q_offs, mask=mask_q, other=0.0)  # input dtype: feeds tl.dot only
+
+    head_off = kv_head.to(tl.int64) * stride_head
+    k_head = k_ptr + head_off
+    v_head = v_ptr + head_off
+    page_ptr = kv_indices_ptr + row_start
+
+    acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+    for t in tl.range(t_begin, t_full, BLOCK_N, num_stages=NUM_STAGES):
+        acc, l_i, m_i = _decode_tile(
+            acc, l_i, m_i, q, k_head, v_head, page_ptr, t, t_end, stride_page, stride_token,
+            qk_scale, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, False, IEEE,
+        )
+    if t_full < t_end:
+        acc, l_i, m_i = _decode_tile(
+            acc, l_i, m_i, q, k_head, v_head, page_ptr, t_full, t_end, stride_page, stride_token,
+            qk_scale, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, True, IEEE,
+        )
+
+    # Empty range (l == 0): o = 0, lse = -inf. Base change here: m and log2(l) are base 2,
+    # the stored LSE is natural log.
+    has_keys = l_i > 0
+    l_safe = tl.where(has_keys, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+
+    o_offs = (req.to(tl.int64) * stride_ob + split.to(tl.int64) * stride_os
+              + heads.to(tl.int64)[:, None] * stride_oh + offs_d[None, :])
+    tl.store(o_ptr + o_offs, o.to(o_ptr.dtype.element_ty), mask=mask_q)
+    lse_offs = req.to(tl.int64) * stride_lb + split.to(tl.int64) * stride_ls + heads.to(tl.int64) * stride_lh
+    tl.store(lse_ptr + lse_offs, lse, mask=mask_h)
+
+
+# --------------------------------------------------------------------------- launcher
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeConfig:
+    """Launch parameters of the stage-1 kernel (internal; the benchmark compares several).
+
+    ``programs_per_sm`` only matters when the caller leaves ``num_splits`` to the plan.
+    """
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+    programs_per_sm: int = 2
+
+    def __post_init__(self) -> None:
+        if self.block_n < 16 or self.block_n & (self.block_n - 1):
+            raise ValueError(f"block_n: expected a power of two >= 16, got {self.block_n}")
+        if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1 or self.programs_per_sm < 1:
+            raise ValueError(f"invalid DecodeConfig {self}")
+
+
+# Variants the benchmark compares; ``pick_decode_config`` chooses among them.
+DECODE_VARIANTS: dict[str, DecodeConfig] = {
+    "n64_w4_s3": DecodeConfig(block_n=64, num_warps=4, num_stages=3),
+    "n64_w4_s4": DecodeConfig(block_n=64, num_warps=4, num_stages=4),
+    "n128_w8_s2": DecodeConfig(block_n=128, num_warps=8, num_stages=2),
+    "n128_w4_s3": DecodeConfig(block_n=128, num_warps=4, num_stages=3),
+    "n32_w4_s4": DecodeConfig(block_n=32, num_warps=4, num_stages=4),
+    "n64_w4_s3_pps4": DecodeConfig(block_n=64, num_warps=4, num_stages=3, programs_per_sm=4),
+    "n64_w4_s3_pps1": DecodeConfig(block_n=64, num_warps=4, num_stages=3, programs_per_sm=1),
+}
+
+DEFAULT_NUM_SMS = 132  # H100 SXM; used for the split plan of CPU tensors
+MAX_SPLITS = 256
+
+
+@functools.cache
+def _num_sms(device_type: str, index: int | None) -> int:
+    if device_type != "cuda":
+        return DEFAULT_NUM_SMS
+    idx = torch.cuda.current_device() if index is None else index
+    return torch.cuda.get_device_properties(idx).multi_processor_count
+
+
+def decode_num_splits(batch: int, num_kv_heads: int, device: torch.device | str, *, programs_per_sm: int = 2) -> int:
+    """How many KV splits per (request, kv head) :func:`batch_decode_paged` uses by default.
+
+    A plan from shapes only (no look at sequence lengths, so it is CUDA-graph safe): about
+    ``programs_per_sm`` resident programs on every multiprocessor, i.e.
+    ``floor(num_sms * programs_per_sm / (batch * num_kv_heads))`` clamped to ``[1, 256]``.
+    The multiprocessor count is read once per device (132 for CPU tensors).
+    """
+    if batch < 0 or num_kv_heads < 1:
+        raise ValueError(f"batch, num_kv_heads: expected >= 0 and >= 1, got {batch}, {num_kv_heads}")
+    dev = torch.device(device)
+    target = _num_sms(dev.type, dev.index) * programs_per_sm
+    return max(1, min(MAX_SPLITS, target // max(1, batch * num_kv_heads)))
+
+
+def pick_decode_config(head_dim: int, dtype: torch.dtype, page_size: int) -> DecodeConfig:
+    """The stage-1 launch parameters :func:`batch_decode_paged` uses for these shapes."""
+    block_d = max(16, next_power_of_2(head_dim))
+    if dtype == torch.float32 or block_d >= 256:
+        # fp32 tiles and head_dim 256 are twice the bytes per key: smaller tiles, 2 stages.
+        return DecodeConfig(block_n=32, num_warps=4, num_stages=2)
+    return DECODE_VARIANTS["n64_w4_s3"]
+
+
+def _check_page_table(
+    kv: PagedKV, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor
+) -> None:
+    """Content checks (one host sync): monotone indptr inside kv_indices, pages in the pool,
+    last_page_len in [1, page_size] for every row that has pages."""
+    indptr = kv_indptr.cpu()
+    if int(indptr[0]) < 0 or bool((indptr[1:] < indptr[:-1]).any()):
+        raise ValueError(f"kv_indptr: expected a non-decreasing sequence starting >= 0, got {indptr.tolist()[:16]}")
+    if int(indptr[-1]) > kv_indices.numel():
+        raise ValueError(
+            f"kv_indptr: last entry {int(indptr[-1])} exceeds the length of kv_indices ({kv_indices.numel()})"
+        )
+    used = kv_indices[int(indptr[0]):int(indptr[-1])]
+    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= kv.num_pages):
+        raise ValueError(
+            f"kv_indices: page ids must lie in [0, {kv.num_pages}) (the pool size), "
+            f"got min {int(used.min())}, max {int(used.max())}"
+        )
+    last = kv_last_page_len.cpu()
+    has_pages = indptr[1:] > indptr[:-1]
+    bad = has_pages & ((last < 1) | (last > kv.page_size))
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"kv_last_page_len: expected values in [1, {kv.page_size}] for rows with pages, "
+            f"got {int(last[row])} at row {row}"
+        )
+
+
+def batch_decode_paged(
+    q: torch.Tensor,
+    paged_kv_cache: PagedKVCache,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_last_page_len: torch.Tensor,
+    *,
+    kv_layout: str = "NHD",
+    sm_scale: float | None = None,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    validate: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention: request ``i``'s single query token over request ``i``'s paged KV.
+
+    Args:
+        q: ``[batch, num_qo_heads, head_dim]`` fp16/bf16/fp32; any strides with the last
+            dimension contiguous. Query head ``h`` reads kv head ``h // (num_qo_heads // num_kv_heads)``.
+        paged_kv_cache: the paged cache (single tensor or ``(k, v)`` tuple, see
+            :mod:`cascadeinfer.layouts.paged_cache`), same dtype and device as ``q``.
+        kv_indptr: int32 ``[batch + 1]``; request ``i`` owns pages
+            ``kv_indices[kv_indptr[i]:kv_indptr[i + 1]]`` (a request with none sees no key).
+        kv_indices: int32 page ids (at least ``kv_indptr[batch]`` entries).
+        kv_last_page_len: int32 ``[batch]``, tokens in each request's last page, in ``[1, page_size]``.
+        kv_layout: ``"NHD"`` or ``"HND"``.
+        sm_scale: softmax scale, default ``head_dim ** -0.5``.
+        num_splits: KV splits per (request, kv head); default :func:`decode_num_splits`.
+            Each split reads ``cdiv(num_pages, num_splits)`` consecutive pages of its
+            request; the partial states are merged with ``merge_states``.
+        out: optional ``[batch, num_qo_heads, head_dim]`` output buffer (dtype of ``q``,
+            last dimension contiguous).
+        lse: optional float32 ``[batch, num_qo_heads]`` buffer for the LSE.
+        validate: check the page table's contents (one host sync; skipped while a CUDA
+            graph is being captured).
+
+    Returns:
+        ``(o, lse)``: ``o`` ``[batch, num_qo_heads, head_dim]`` in ``q``'s dtype and
+        ``lse`` float32 ``[batch, num_qo_heads]``, the NATURAL-log sum of exp of the
+        scaled scores. A request with no keys gets ``o = 0``, ``lse = -inf``.
+
+    The launch reads nothing from the device (grid from shapes only), so the call can be
+    captured in a CUDA graph and replayed after the page table is changed in place.
+    """
+    return _batch_decode_paged(
+        q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, kv_layout=kv_layout,
+        sm_scale=sm_scale, num_splits=num_splits, out=out, lse=lse, validate=validate, config=None,
+    )
+
+
+def _batch_decode_paged(
+    q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, *, kv_layout, sm_scale,
+    num_splits, out, lse, validate, config: DecodeConfig | None,
+):
+    """:func:`batch_decode_paged` with the stage-1 launch parameters given (None: the default)."""
+    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
+    check_last_dim_contiguous("q", q)
+    kv = unpack_paged_kv_cache(paged_kv_cache, kv_layout)
+    batch, num_qo_heads, head_dim = q.shape
+    if kv.dtype != q.dtype:
+        raise TypeError(f"paged_kv_cache: expected dtype {q.dtype} (the dtype of q), got {kv.dtype}")
+    device = same_device(("q", q), ("paged_kv_cache", kv.k))
+    if kv.head_dim != head_dim:
+        raise ValueError(f"paged_kv_cache: expected head_dim {head_dim} (like q), got {kv.head_dim}")
+    if num_qo_heads % kv.num_kv_heads != 0:
+        raise ValueError(
+            f"q: num_qo_heads ({num_qo_heads}) must be a multiple of the cache's num_kv_heads ({kv.num_kv_heads})"
+        )
+    check_int32_vector("kv_indptr", kv_indptr, device, batch + 1)
+    check_int32_vector("kv_indices", kv_indices, device)
+    check_int32_vector("kv_last_page_len", kv_last_page_len, device, batch)
+    if num_splits is not None:
+        if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
+            raise ValueError(f"num_splits: expected a positive int or None, got {num_splits!r}")
+    scale = default_sm_scale(head_dim, sm_scale)
+    if out is None:
+        out = torch.empty((batch, num_qo_heads, head_dim), dtype=q.dtype, device=device)
+    else:
+        check_tensor("out", out, dtypes=(q.dtype,), device=device, shape=(batch, num_qo_heads, head_dim))
+        check_last_dim_contiguous("out", out)
+    if lse is None:
+        lse = torch.empty((batch, num_qo_heads), dtype=torch.float32, device=device)
+    else:
+        check_tensor("lse", lse, dtypes=(torch.float32,), device=device, shape=(batch, num_qo_heads))
+    if validate and not capturing():
+        _check_page_table(kv, kv_indptr, kv_indices, kv_last_page_len)
+    if batch == 0:
+        return out, lse
+
+    if not use_triton(device):
+        o_ref, lse_ref = batch_decode_paged_ref(q, kv, kv_indptr, kv_indices, kv_last_page_len, sm_scale=scale)
+        out.copy_(o_ref)
+        lse.copy_(lse_ref)
+        return out, lse
+
+    cfg = config if config is not None else pick_decode_config(head_dim, q.dtype, kv.page_size)
+    if num_splits is None:
+        num_splits = decode_num_splits(batch, kv.num_kv_heads, device, programs_per_sm=cfg.programs_per_sm)
+    group = num_qo_heads // kv.num_kv_heads
+    meta = dict(
+        GROUP=group,
+        BLOCK_H=max(16, next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_D=max(16, next_power_of_2(head_dim)),
+        PAGE_SIZE=kv.page_size,
+        BLOCK_N=cfg.block_n,
+        NUM_STAGES=cfg.num_stages,
+        IEEE=q.dtype == torch.float32,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    grid = (batch * kv.num_kv_heads * num_splits,)
+    if num_splits == 1:
+        o_dst, lse_dst = out, lse
+        o_strides = (out.stride(0), 0, out.stride(1))
+        lse_strides = (lse.stride(0), 0, lse.stride(1))
+    else:
+        o_dst = torch.empty((batch, num_splits, num_qo_heads, head_dim), dtype=torch.float32, device=device)
+        lse_dst = torch.empty((batch, num_splits, num_qo_heads), dtype=torch.float32, device=device)
+        o_strides = o_dst.stride()[:3]
+        lse_strides = lse_dst.stride()
+    _decode_kernel[grid](
+        q, kv.k, kv.v, kv_indptr, kv_indices, kv_last_page_len, o_dst, lse_dst,
+        scale * LOG2E, kv.num_kv_heads, num_splits,
+        q.stride(0), q.stride(1),
+        kv.stride_page, kv.stride_token, kv.stride_head,
+        *o_strides, *lse_strides,
+        **meta,
+    )
+    if num_splits > 1:
+        _merge_splits(o_dst, lse_dst, out, lse)
+    return out, lse
+
+
+def _merge_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Stage 2: merge ``[batch, num_splits, H, D]`` partial states into ``out``, ``lse``."""
+    from cascadeinfer.kernels.reference import merge_state_ref  # placeholder until merge.py lands
+
+    v, s = o_part[:, 0].double(), lse_part[:, 0].double()
+    for i in range(1, o_part.shape[1]):
+        v, s = merge_state_ref(v, s, o_part[:, i], lse_part[:, i])
+    out.copy_(v)
+    lse.copy_(s)
+
+
+# --------------------------------------------------------------------------- reference
+
+
+def batch_decode_paged_ref(
+    q: torch.Tensor,
+    kv: PagedKV,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_last_page_len: torch.Tensor,
+    *,
+    sm_scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float64 paged decode, vectorised over the batch (the path for plain-CPU tensors).
+
+    ``q: [batch, Hq, D]``, ``kv`` from :func:`unpack_paged_kv_cache`, page table as in
+    :func:`batch_decode_paged` (read on the host). Returns ``(o [batch, Hq, D] float64,
+    lse [batch, Hq] float64)``, natural log; rows with no keys give ``(0, -inf)``.
+    """
+    batch, hq, d = q.shape
+    hkv, page = kv.num_kv_heads, kv.page_size
+    scale = d ** -0.5 if sm_scale is None else sm_scale
+    dev = q.device
+    indptr = kv_indptr.to(dev, torch.int64)
+    num_pages = indptr[1:] - indptr[:-1]
+    seq = torch.where(num_pages > 0, (num_pages - 1) * page + kv_last_page_len.to(dev, torch.int64), 0)
+    max_len = int(seq.max()) if batch else 0
+    o = torch.zeros((batch, hq, d), dtype=torch.float64, device=dev)
+    lse = torch.full((batch, hq), -math.inf, dtype=torch.float64, device=dev)
+    if max_len == 0:
+        return o, lse
+    tok = torch.arange(max_len, device=dev)
+    valid = tok[None, :] < seq[:, None]  # [batch, L]
+    slot_idx = torch.where(valid, indptr[:-1, None] + tok[None, :] // page, 0)
+    pages = kv_indices.to(dev, torch.int64)[slot_idx]  # [batch, L]
+    slot = (tok % page).expand(batch, -1)
+    if kv.kv_layout == "NHD":
+        k, v = kv.k[pages, slot], kv.v[pages, slot]  # [batch, L, Hkv, D]
+    else:
+        k, v = kv.k[pages, :, slot], kv.v[pages, :, slot]  # advanced dims first: [batch, L, Hkv, D]
+    qg = q.double().reshape(batch, hkv, hq // hkv, d)
+    s = torch.einsum("bhgd,blhd->bhgl", qg, k.double()) * scale
+    s = s.masked_fill(~valid[:, None, None, :], -math.inf)
+    lse_g = torch.logsumexp(s, dim=-1)  # [batch, Hkv, G]
+    finite = torch.isfinite(lse_g)
+    p = torch.where(finite[..., None], torch.exp(s - torch.where(finite, lse_g, 0.0)[..., None]), 0.0)
+    o = torch.einsum("bhgl,blhd->bhgd", p, v.double()).reshape(batch, hq, d)
+    return o, lse_g.reshape(batch, hq)

@@ -1,0 +1,380 @@
+"""batch_decode_paged against the float64 reference on each request's gathered pages."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cascadeinfer.kernels import decode as decode_mod
+from cascadeinfer.kernels.decode import (
+    MAX_SPLITS,
+    batch_decode_paged,
+    batch_decode_paged_ref,
+    decode_num_splits,
+    pick_decode_config,
+)
+from cascadeinfer.kernels.reference import attention_state_ref
+from cascadeinfer.layouts.paged_cache import gather_paged_kv, unpack_paged_kv_cache
+
+# (atol, rtol) on o; fp32 products are exact fp32 (input_precision="ieee"), 16-bit ones
+# round the probabilities to the input dtype before p @ v.
+O_TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.5e-2, 1.5e-2)}
+LSE_TOL = 1e-4  # the LSE is accumulated in fp32 from exact products: ~1e-6 seen
+
+
+def make_case(device, *, lens, page_size=16, hq=4, hkv=1, head_dim=64, dtype=torch.float16,
+              layout="NHD", form="tensor", spare_pages=3, spare_indices=0, seed=0):
+    """A random pool with the requests' pages randomly permuted in it, plus the CSR table."""
+    g = torch.Generator().manual_seed(seed)
+    npages = [(n + page_size - 1) // page_size for n in lens]
+    pool = sum(npages) + spare_pages
+    inner = (page_size, hkv, head_dim) if layout == "NHD" else (hkv, page_size, head_dim)
+    if form == "tensor":
+        cache = torch.randn((pool, 2, *inner), generator=g).to(device, dtype)
+    else:
+        cache = tuple(torch.randn((pool, *inner), generator=g).to(device, dtype) for _ in range(2))
+    indices = torch.randperm(pool, generator=g)[: sum(npages)]
+    indices = torch.cat([indices, torch.randint(0, pool, (spare_indices,), generator=g)])
+    indptr = torch.tensor([0, *torch.tensor(npages, dtype=torch.int64).cumsum(0).tolist()])
+    last = torch.tensor([n - (p - 1) * page_size if p else 0 for n, p in zip(lens, npages)])
+    q = torch.randn((len(lens), hq, head_dim), generator=g).to(device, dtype)
+    i32 = dict(device=device, dtype=torch.int32)
+    return q, cache, indptr.to(**i32), indices.to(**i32), last.to(**i32)
+
+
+def check_against_reference(q, cache, indptr, indices, last, o, lse, *, layout="NHD", sm_scale=None):
+    kv = unpack_paged_kv_cache(cache, layout)
+    atol, rtol = O_TOL[q.dtype]
+    assert o.shape == q.shape and o.dtype == q.dtype
+    assert lse.shape == q.shape[:2] and lse.dtype == torch.float32
+    for b in range(q.shape[0]):
+        k, v = gather_paged_kv(kv, indptr.cpu(), indices.cpu(), last.cpu(), b)
+        o_ref, lse_ref = attention_state_ref(q[b:b + 1], k, v, sm_scale=sm_scale)
+        if k.shape[0] == 0:
+            assert torch.all(o[b] == 0), f"row {b}: empty row must give o = 0"
+            assert torch.all(lse[b] == -math.inf), f"row {b}: empty row must give lse = -inf"
+            continue
+        torch.testing.assert_close(o[b].double(), o_ref[0], atol=atol, rtol=rtol, msg=lambda m: f"row {b}: {m}")
+        torch.testing.assert_close(lse[b].double(), lse_ref[0], atol=LSE_TOL, rtol=LSE_TOL,
+                                   msg=lambda m: f"row {b} lse: {m}")
+
+
+def poisoned(q):
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:2], float("nan"), dtype=torch.float32, device=q.device)
+    return out, lse
+
+
+def run_and_check(device, *, layout="NHD", num_splits=2, sm_scale=None, **case):
+    q, cache, indptr, indices, last = make_case(device, layout=layout, **case)
+    out, lse = poisoned(q)
+    o, s = batch_decode_paged(q, cache, indptr, indices, last, kv_layout=layout, num_splits=num_splits,
+                              sm_scale=sm_scale, out=out, lse=lse)
+    assert o is out and s is lse
+    check_against_reference(q, cache, indptr, indices, last, o, s, layout=layout, sm_scale=sm_scale)
+
+
+# Lengths with the edges: empty row, one token, last page exactly full, several pages.
+EDGE_LENS = [0, 1, 16, 33, 70]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("form", ["tensor", "tuple"])
+def test_matches_reference(device, dtype, layout, form):
+    run_and_check(device, lens=EDGE_LENS, dtype=dtype, layout=layout, form=form, hq=8, hkv=2, seed=1)
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_page_sizes(device, page_size, num_splits):
+    lens = [0, 1, page_size, 2 * page_size + 5, 90]
+    run_and_check(device, lens=lens, page_size=page_size, num_splits=num_splits, hq=4, hkv=2,
+                  layout="HND" if page_size == 64 else "NHD", seed=page_size)
+
+
+@pytest.mark.parametrize("group", [1, 4, 7, 8, 16])
+@pytest.mark.parametrize("head_dim", [64, 96])
+def test_gqa_groups_and_head_dims(device, group, head_dim):
+    run_and_check(device, lens=[1, 40, 17], hq=2 * group, hkv=2, head_dim=head_dim, dtype=torch.bfloat16,
+                  seed=group * 1000 + head_dim)
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_large_head_dims(device, head_dim):
+    run_and_check(device, lens=[5, 48], hq=8, hkv=2, head_dim=head_dim, dtype=torch.float16, seed=head_dim)
+
+
+def test_small_odd_head_dim(device):
+    # head_dim 40 pads to 64 and below 16 pads to 16 (tl.dot needs K >= 16).
+    run_and_check(device, lens=[3, 20], hq=3, hkv=3, head_dim=40, seed=40)
+    run_and_check(device, lens=[3, 20], hq=2, hkv=1, head_dim=8, seed=8)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 7])
+def test_num_splits_more_than_pages(device, num_splits):
+    # 7 splits over at most 3 pages: most splits are empty and must merge as identities.
+    run_and_check(device, lens=[0, 9, 40, 48], num_splits=num_splits, hq=4, hkv=2, seed=num_splits)
+
+
+def test_default_split_plan(device):
+    q, cache, indptr, indices, last = make_case(device, lens=[0, 200], hq=4, hkv=1, seed=3)
+    out, lse = poisoned(q)
+    assert decode_num_splits(2, 1, device) > 1  # the default really splits here
+    o, s = batch_decode_paged(q, cache, indptr, indices, last, out=out, lse=lse)
+    check_against_reference(q, cache, indptr, indices, last, o, s)
+
+
+def test_sm_scale(device):
+    run_and_check(device, lens=[12, 30], sm_scale=0.3, seed=5)
+
+
+def test_noncontiguous_q_out_lse(device):
+    q, cache, indptr, indices, last = make_case(device, lens=[7, 0, 50], hq=8, hkv=2, seed=6)
+    q_nc = torch.randn(q.shape[1], q.shape[0], q.shape[2] + 8, device=device, dtype=q.dtype)
+    q_nc = q_nc[..., :q.shape[2]].transpose(0, 1)  # strides (D + 8, B * (D + 8), 1)
+    q_nc.copy_(q)
+    assert not q_nc.is_contiguous()
+    out_big = torch.full((q.shape[0], q.shape[1], q.shape[2] + 4), float("nan"), device=device, dtype=q.dtype)
+    out = out_big[..., :q.shape[2]]
+    lse_big = torch.full((q.shape[1], q.shape[0]), float("nan"), device=device)
+    lse = lse_big.t()
+    for splits in (1, 3):
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        o, s = batch_decode_paged(q_nc, cache, indptr, indices, last, num_splits=splits, out=out, lse=lse)
+        assert o is out and s is lse
+        check_against_reference(q, cache, indptr, indices, last, o, s)
+        assert torch.isnan(out_big[..., q.shape[2]:]).all(), "padding past head_dim must stay untouched"
+
+
+def test_kv_indices_longer_than_needed(device):
+    # Buffers sized for CUDA graphs: entries past kv_indptr[-1] are ignored.
+    run_and_check(device, lens=[20, 3], spare_indices=5, seed=7)
+
+
+def test_all_rows_empty(device):
+    run_and_check(device, lens=[0, 0, 0], seed=8)
+
+
+def test_returns_fresh_outputs(device):
+    q, cache, indptr, indices, last = make_case(device, lens=[10, 25], seed=9)
+    o, s = batch_decode_paged(q, cache, indptr, indices, last, num_splits=2)
+    check_against_reference(q, cache, indptr, indices, last, o, s)
+
+
+def test_empty_batch(device):
+    q, cache, indptr, indices, last = make_case(device, lens=[], seed=10)
+    o, s = batch_decode_paged(q, cache, indptr, indices, last)
+    assert o.shape == (0, 4, 64) and s.shape == (0, 4)
+
+
+def test_torch_path(device, monkeypatch):
+    """The vectorised PyTorch path that plain-CPU tensors take."""
+    monkeypatch.setattr(decode_mod, "use_triton", lambda dev: False)
+    for layout in ("NHD", "HND"):
+        run_and_check(device, lens=EDGE_LENS, layout=layout, hq=6, hkv=2, dtype=torch.float32, seed=11)
+
+
+def test_reference_helper_matches_rowwise_reference(device):
+    q, cache, indptr, indices, last = make_case(device, lens=EDGE_LENS, layout="HND", hq=4, hkv=2, seed=12)
+    kv = unpack_paged_kv_cache(cache, "HND")
+    o, s = batch_decode_paged_ref(q, kv, indptr, indices, last)
+    for b in range(q.shape[0]):
+        k, v = gather_paged_kv(kv, indptr, indices, last, b)
+        o_ref, s_ref = attention_state_ref(q[b:b + 1], k, v)
+        torch.testing.assert_close(o[b], o_ref[0])
+        torch.testing.assert_close(s[b], s_ref[0])
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    lens=st.lists(st.integers(0, 80), min_size=1, max_size=4),
+    page_size=st.sampled_from([1, 3, 16]),
+    hkv=st.integers(1, 2),
+    group=st.integers(1, 5),
+    head_dim=st.sampled_from([16, 24, 64]),
+    num_splits=st.integers(1, 4),
+    dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]),
+    layout=st.sampled_from(["NHD", "HND"]),
+    seed=st.integers(0, 2**16),
+)
+def test_random_shapes(lens, page_size, hkv, group, head_dim, num_splits, dtype, layout, seed):
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    run_and_check(device, lens=lens, page_size=page_size, hq=hkv * group, hkv=hkv, head_dim=head_dim,
+                  dtype=dtype, layout=layout, num_splits=num_splits, seed=seed)
+
+
+# --------------------------------------------------------------------------- split plan
+
+
+def test_decode_num_splits_plan():
+    cpu = torch.device("cpu")
+    assert decode_num_splits(16, 8, cpu) == 264 // 128
+    assert decode_num_splits(1, 8, cpu) == 33
+    assert decode_num_splits(256, 8, cpu) == 1
+    assert decode_num_splits(1, 1, cpu) == MAX_SPLITS
+    assert decode_num_splits(0, 8, cpu) >= 1
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        decode_num_splits(4, 0, cpu)
+
+
+def test_pick_decode_config():
+    cfg = pick_decode_config(128, torch.bfloat16, 16)
+    assert cfg.block_n >= 16 and cfg.num_stages >= 1
+    assert pick_decode_config(256, torch.bfloat16, 16).block_n <= cfg.block_n
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def bad_case(device):
+    return make_case(device, lens=[5, 20], hq=4, hkv=2, seed=13)
+
+
+def test_rejects_dtype_mismatch(device):
+    q, cache, indptr, indices, last = bad_case(device)
+    with pytest.raises(TypeError, match="paged_kv_cache"):
+        batch_decode_paged(q.float(), cache, indptr, indices, last)
+    with pytest.raises(TypeError, match="q"):
+        batch_decode_paged(q.to(torch.int32), cache, indptr, indices, last)
+
+
+def test_rejects_bad_head_ratio_and_head_dim(device):
+    q, cache, indptr, indices, last = bad_case(device)
+    with pytest.raises(ValueError, match="q: num_qo_heads"):
+        batch_decode_paged(q[:, :3], cache, indptr, indices, last)
+    with pytest.raises(ValueError, match="head_dim"):
+        batch_decode_paged(q[..., :32], cache, indptr, indices, last)
+    with pytest.raises(ValueError, match="q"):
+        batch_decode_paged(q[0], cache, indptr, indices, last)
+
+
+def test_rejects_bad_metadata_types_and_lengths(device):
+    q, cache, indptr, indices, last = bad_case(device)
+    with pytest.raises(TypeError, match="kv_indices"):
+        batch_decode_paged(q, cache, indptr, indices.long(), last)
+    with pytest.raises(TypeError, match="kv_indptr"):
+        batch_decode_paged(q, cache, indptr.long(), indices, last)
+    with pytest.raises(ValueError, match="kv_indptr"):
+        batch_decode_paged(q, cache, indptr[:-1], indices, last)
+    with pytest.raises(ValueError, match="kv_last_page_len"):
+        batch_decode_paged(q, cache, indptr, indices, last[:1])
+    with pytest.raises(ValueError, match="kv_indices"):
+        batch_decode_paged(q, cache, indptr, torch.stack([indices, indices], 1), last)
+
+
+def test_rejects_bad_contents(device):
+    q, cache, indptr, indices, last = bad_case(device)
+    pool = unpack_paged_kv_cache(cache, "NHD").num_pages
+    with pytest.raises(ValueError, match="kv_indices"):
+        batch_decode_paged(q, cache, indptr, torch.full_like(indices, pool), last)
+    with pytest.raises(ValueError, match="kv_indices"):
+        batch_decode_paged(q, cache, indptr, torch.full_like(indices, -1), last)
+    with pytest.raises(ValueError, match="kv_last_page_len"):
+        batch_decode_paged(q, cache, indptr, indices, torch.full_like(last, 17))
+    with pytest.raises(ValueError, match="kv_last_page_len"):
+        batch_decode_paged(q, cache, indptr, indices, torch.zeros_like(last))
+    with pytest.raises(ValueError, match="kv_indptr"):
+        batch_decode_paged(q, cache, indptr.flip(0), indices, last)
+    with pytest.raises(ValueError, match="kv_indptr"):
+        batch_decode_paged(q, cache, indptr * 2, indices, last)
+
+
+def test_rejects_bad_buffers_and_options(device):
+    q, cache, indptr, indices, last = bad_case(device)
+    with pytest.raises(ValueError, match="out"):
+        batch_decode_paged(q, cache, indptr, indices, last, out=torch.empty_like(q)[:, :2])
+    with pytest.raises(TypeError, match="out"):
+        batch_decode_paged(q, cache, indptr, indices, last, out=torch.empty_like(q, dtype=torch.float32))
+    with pytest.raises(ValueError, match="out"):
+        batch_decode_paged(q, cache, indptr, indices, last, out=torch.empty_like(q).transpose(1, 2).contiguous().transpose(1, 2))
+    with pytest.raises(TypeError, match="lse"):
+        batch_decode_paged(q, cache, indptr, indices, last, lse=torch.empty(q.shape[:2], dtype=q.dtype, device=device))
+    with pytest.raises(ValueError, match="lse"):
+        batch_decode_paged(q, cache, indptr, indices, last, lse=torch.empty(q.shape[0], device=device))
+    with pytest.raises(ValueError, match="num_splits"):
+        batch_decode_paged(q, cache, indptr, indices, last, num_splits=0)
+    with pytest.raises(ValueError, match="kv_layout"):
+        batch_decode_paged(q, cache, indptr, indices, last, kv_layout="NDH")
+    with pytest.raises(ValueError, match="sm_scale"):
+        batch_decode_paged(q, cache, indptr, indices, last, sm_scale=-1.0)
+    with pytest.raises(ValueError, match="q"):
+        batch_decode_paged(q.transpose(1, 2).contiguous().transpose(1, 2), cache, indptr, indices, last)
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="kv_indices"):
+            batch_decode_paged(q, cache, indptr, indices.cpu(), last)
+
+
+# --------------------------------------------------------------------------- GPU only
+
+
+@pytest.mark.gpu
+def test_realistic_long_context_int64_offsets():
+    """batch 16, Hq 32, Hkv 8, D 128, bf16, page 16; one request of ~130K tokens whose pages
+    lie past element 2**31 of the pool (page id x page stride needs int64)."""
+    device = torch.device("cuda")
+    page, hkv, hq, d = 16, 8, 32, 128
+    g = torch.Generator(device="cpu").manual_seed(14)
+    lens = [130_001] + torch.randint(1, 9000, (15,), generator=g).tolist()
+    lens[1], lens[2] = 0, 1
+    npages = [(n + page - 1) // page for n in lens]
+    page_elems = 2 * page * hkv * d
+    pool = max(sum(npages), 2**31 // page_elems + 4096)  # > 2**31 elements in all
+    cache = torch.empty((pool, 2, page, hkv, d), device=device, dtype=torch.bfloat16)
+    cache.normal_()
+    indices = torch.randperm(pool, device=device)[: sum(npages)].int()
+    # the long request gets the pages at the top of the pool
+    indices[: npages[0]] = torch.arange(pool - npages[0], pool, device=device, dtype=torch.int32).flip(0)
+    indptr = torch.tensor([0, *torch.tensor(npages).cumsum(0).tolist()], device=device, dtype=torch.int32)
+    last = torch.tensor([n - (p - 1) * page if p else 0 for n, p in zip(lens, npages)],
+                        device=device, dtype=torch.int32)
+    q = torch.randn((16, hq, d), device=device, dtype=torch.bfloat16)
+    for splits in (None, 1):
+        out, lse = poisoned(q)
+        o, s = batch_decode_paged(q, cache, indptr, indices, last, num_splits=splits, out=out, lse=lse)
+        check_against_reference(q, cache, indptr, indices, last, o, s)
+    del cache
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_and_replay_with_new_page_table():
+    device = torch.device("cuda")
+    lens = [300, 0, 1, 1024, 77, 16, 500, 2048]
+    q, cache, indptr, indices, last = make_case(device, lens=lens, hq=32, hkv=8, head_dim=128,
+                                                dtype=torch.bfloat16, spare_pages=400, seed=15)
+    capacity = 400 + indices.numel()
+    idx_buf = torch.zeros(capacity, device=device, dtype=torch.int32)
+    idx_buf[: indices.numel()] = indices
+    out, lse = poisoned(q)
+    batch_decode_paged(q, cache, indptr, idx_buf, last, out=out, lse=lse)  # compile outside the graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        batch_decode_paged(q, cache, indptr, idx_buf, last, out=out, lse=lse)
+    out.fill_(float("nan"))
+    lse.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    check_against_reference(q, cache, indptr, idx_buf, last, out, lse)
+
+    # New lengths and a new page permutation, written in place; same graph.
+    pool = unpack_paged_kv_cache(cache, "NHD").num_pages
+    new_lens = [17, 2100, 0, 5, 999, 64, 1, 1500]
+    npages = [(n + 15) // 16 for n in new_lens]
+    new_idx = torch.randperm(pool, device=device)[: sum(npages)].int()
+    idx_buf.zero_()
+    idx_buf[: new_idx.numel()] = new_idx
+    indptr.copy_(torch.tensor([0, *torch.tensor(npages).cumsum(0).tolist()], dtype=torch.int32))
+    last.copy_(torch.tensor([n - (p - 1) * 16 if p else 0 for n, p in zip(new_lens, npages)], dtype=torch.int32))
+    q.copy_(torch.randn_like(q))
+    out.fill_(float("nan"))
+    lse.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    check_against_reference(q, cache, indptr, idx_buf, last, out, lse)
