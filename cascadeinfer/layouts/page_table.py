@@ -1,0 +1,236 @@
+"""CSR page tables: which pages of a paged KV cache hold each row's keys, in order.
+
+    kv_indptr        int32 [n + 1]   row i owns kv_indices[kv_indptr[i]:kv_indptr[i + 1]]
+    kv_indices       int32 [kv_indptr[-1]]   page numbers inside the pool
+    kv_last_page_len int32 [n]       tokens used in row i's last page
+
+A row with ``p > 0`` pages holds ``(p - 1) * page_size + kv_last_page_len[i]`` tokens, and
+``1 <= kv_last_page_len[i] <= page_size``. A row with no pages holds 0 tokens.
+
+**Empty rows (our convention, strict):** a row with no pages must have
+``kv_last_page_len == 0``. FlashInfer ignores the value there; we reject anything else
+when validating, so that a stale length next to a missing page list is caught instead of
+silently read as "empty". :func:`get_seq_lens` returns 0 for empty rows whatever the value.
+
+The device-side helpers (:func:`get_seq_lens`, :func:`get_batch_indices_positions`) are
+pure torch ops with no host sync, so they can run inside a captured CUDA graph. The
+validators read tensors on the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from cascadeinfer._checks import check_int32_vector, check_tensor
+from cascadeinfer.layouts.indptr import _as_int_list, _check_indptr_values
+
+
+def _check_positive_int(name: str, x: object, *, minimum: int = 1) -> int:
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise TypeError(f"{name}: expected an int, got {type(x).__name__}")
+    if x < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {x}")
+    return x
+
+
+def get_seq_lens(kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Tokens per row of a CSR page table: int32 ``[n]``, on the tables' device.
+
+    ``kv_indptr`` int32 ``[n + 1]``, ``kv_last_page_len`` int32 ``[n]``. A row with
+    ``p > 0`` pages holds ``(p - 1) * page_size + kv_last_page_len``; a row with no pages
+    holds 0 (its last_page_len is ignored here). Pure device ops, no host sync.
+    """
+    check_tensor("kv_indptr", kv_indptr, ndim=1, dtypes=(torch.int32,))
+    if kv_indptr.shape[0] == 0:
+        raise ValueError("kv_indptr: expected at least one entry (n + 1 for n rows)")
+    n = kv_indptr.shape[0] - 1
+    check_tensor("kv_last_page_len", kv_last_page_len, dtypes=(torch.int32,), device=kv_indptr.device, shape=(n,))
+    _check_positive_int("page_size", page_size)
+    num_pages = kv_indptr[1:] - kv_indptr[:-1]
+    full = (num_pages - 1) * page_size + kv_last_page_len
+    return torch.where(num_pages > 0, full, torch.zeros_like(full))
+
+
+def get_batch_indices_positions(
+    append_indptr: torch.Tensor, seq_lens: torch.Tensor, nnz: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row and position of every appended token, for :func:`append_paged_kv_cache`.
+
+    ``append_indptr`` int32 ``[n + 1]`` splits the ``nnz`` appended tokens into rows;
+    ``seq_lens`` int32 ``[n]`` are the rows' lengths *including* the appended tokens. Token
+    ``j = append_indptr[i] + t`` gets ``batch_indices[j] = i`` and
+    ``positions[j] = seq_lens[i] - append_len_i + t``. Returns ``(batch_indices,
+    positions)``, both int32 ``[nnz]`` on the inputs' device.
+
+    ``nnz`` is a host int (the tensors' contents are never read: no host sync, CUDA-graph
+    safe). Tokens ``j >= append_indptr[-1]`` (when ``nnz`` is a padded upper bound) get
+    ``batch_indices = -1`` and ``positions = -1``, which ``append_paged_kv_cache`` skips.
+    """
+    check_tensor("append_indptr", append_indptr, ndim=1, dtypes=(torch.int32,))
+    if append_indptr.shape[0] == 0:
+        raise ValueError("append_indptr: expected at least one entry (n + 1 for n rows)")
+    n = append_indptr.shape[0] - 1
+    dev = append_indptr.device
+    check_tensor("seq_lens", seq_lens, dtypes=(torch.int32,), device=dev, shape=(n,))
+    _check_positive_int("nnz", nnz, minimum=0)
+    if n == 0:
+        pad = torch.full((nnz,), -1, dtype=torch.int32, device=dev)
+        return pad, pad.clone()
+    token = torch.arange(nnz, dtype=torch.int32, device=dev)
+    # The last row whose start is <= token: rows that append nothing share their start
+    # with the next row and are skipped by right=True.
+    row = torch.searchsorted(append_indptr, token, right=True, out_int32=True) - 1
+    valid = token < append_indptr[-1]
+    safe_row = row.clamp(0, n - 1)
+    # seq_lens[i] - (append_indptr[i+1] - append_indptr[i]) + (token - append_indptr[i])
+    pos = seq_lens[safe_row] - append_indptr[safe_row + 1] + token
+    minus_one = torch.full_like(token, -1)
+    return torch.where(valid, row, minus_one), torch.where(valid, pos, minus_one)
+
+
+def validate_page_table(
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_last_page_len: torch.Tensor,
+    page_size: int,
+    num_pages: int | None,
+    *,
+    contents: bool = True,
+) -> None:
+    """Check a CSR page table; raise ``ValueError``/``TypeError`` naming the argument.
+
+    Always (no host sync): the three tensors are int32, 1-D, contiguous and on one device,
+    ``len(kv_last_page_len) == len(kv_indptr) - 1``, ``page_size >= 1`` and ``num_pages``
+    (the pool size, or ``None`` to skip the range check) ``>= 0``.
+
+    With ``contents`` (reads the tensors on the host: launchers pass
+    ``contents=validate and not capturing()``): ``kv_indptr`` starts at 0 and is monotone,
+    ``len(kv_indices) == kv_indptr[-1]``, every index is in ``[0, num_pages)``, and
+    ``kv_last_page_len`` is in ``[1, page_size]`` for rows with pages and exactly 0 for
+    rows without (see the module docstring).
+    """
+    check_tensor("kv_indptr", kv_indptr, ndim=1)
+    dev = kv_indptr.device
+    check_int32_vector("kv_indptr", kv_indptr, dev)
+    if kv_indptr.shape[0] == 0:
+        raise ValueError("kv_indptr: expected at least one entry (n + 1 for n rows)")
+    n = kv_indptr.shape[0] - 1
+    check_int32_vector("kv_indices", kv_indices, dev)
+    check_int32_vector("kv_last_page_len", kv_last_page_len, dev, length=n)
+    _check_positive_int("page_size", page_size)
+    if num_pages is not None:
+        _check_positive_int("num_pages", num_pages, minimum=0)
+    if not contents:
+        return
+
+    indptr = kv_indptr.cpu()
+    _check_indptr_values("kv_indptr", indptr.tolist(), None)
+    total = int(indptr[-1])
+    if kv_indices.shape[0] != total:
+        raise ValueError(f"kv_indices: has {kv_indices.shape[0]} entries but kv_indptr[-1] is {total}")
+    indices = kv_indices.cpu()
+    upper = num_pages if num_pages is not None else None
+    bad = indices < 0 if upper is None else (indices < 0) | (indices >= upper)
+    if bool(bad.any()):
+        pos = int(bad.nonzero()[0, 0])
+        where = "negative" if upper is None else f"outside the pool of {upper} pages"
+        raise ValueError(f"kv_indices: index {int(indices[pos])} at position {pos} is {where}")
+    rows_pages = indptr[1:] - indptr[:-1]
+    last = kv_last_page_len.cpu()
+    bad_full = (rows_pages > 0) & ((last < 1) | (last > page_size))
+    if bool(bad_full.any()):
+        row = int(bad_full.nonzero()[0, 0])
+        raise ValueError(
+            f"kv_last_page_len: row {row} has {int(rows_pages[row])} pages and last_page_len "
+            f"{int(last[row])}; expected 1..{page_size}"
+        )
+    bad_empty = (rows_pages == 0) & (last != 0)
+    if bool(bad_empty.any()):
+        row = int(bad_empty.nonzero()[0, 0])
+        raise ValueError(
+            f"kv_last_page_len: row {row} has no pages and last_page_len {int(last[row])}; "
+            "an empty row must have last_page_len 0"
+        )
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class PageTable:
+    """A validated CSR page table (see the module docstring for the format).
+
+    Fields: ``kv_indptr [n + 1]``, ``kv_indices [kv_indptr[-1]]``, ``kv_last_page_len [n]``
+    (int32, contiguous, one device), ``page_size`` and optionally ``num_pages`` (the pool
+    size; when given every index must lie inside it). Construction validates everything
+    (a host sync) and raises ``ValueError``/``TypeError`` naming the field. The tensors are
+    the caller's, not copies: do not mutate them afterwards. ``eq=False``: tables compare
+    by identity (elementwise tensor equality has no single truth value).
+    """
+
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_last_page_len: torch.Tensor
+    page_size: int
+    num_pages: int | None = None
+
+    def __post_init__(self) -> None:
+        validate_page_table(
+            self.kv_indptr, self.kv_indices, self.kv_last_page_len, self.page_size, self.num_pages
+        )
+
+    @classmethod
+    def from_page_lists(
+        cls,
+        page_lists: Sequence[Sequence[int]],
+        seq_lens: Sequence[int] | torch.Tensor,
+        page_size: int,
+        *,
+        num_pages: int | None = None,
+        device: torch.device | str | None = None,
+    ) -> PageTable:
+        """Build a table from per-row page lists and token counts (host data).
+
+        Row ``i`` must list exactly ``cdiv(seq_lens[i], page_size)`` pages (none for an
+        empty row). The tensors are created on ``device`` (CPU by default).
+        """
+        _check_positive_int("page_size", page_size)
+        if isinstance(seq_lens, torch.Tensor):
+            check_tensor("seq_lens", seq_lens, ndim=1)
+            seq_lens = seq_lens.cpu().tolist()
+        lens = _as_int_list("seq_lens", seq_lens)
+        if isinstance(page_lists, (str, bytes, torch.Tensor)):
+            raise TypeError(f"page_lists: expected a sequence of page lists, got {type(page_lists).__name__}")
+        rows = [_as_int_list(f"page_lists[{i}]", pages) for i, pages in enumerate(page_lists)]
+        if len(rows) != len(lens):
+            raise ValueError(f"seq_lens: has {len(lens)} entries but page_lists has {len(rows)} rows")
+        indptr, indices, last = [0], [], []
+        for i, (pages, length) in enumerate(zip(rows, lens)):
+            if length < 0:
+                raise ValueError(f"seq_lens: entry {i} is {length}, expected >= 0")
+            need = -(-length // page_size)
+            if len(pages) != need:
+                raise ValueError(
+                    f"page_lists: row {i} has {len(pages)} pages but seq_len {length} needs "
+                    f"cdiv({length}, {page_size}) = {need}"
+                )
+            indices.extend(pages)
+            indptr.append(len(indices))
+            last.append(length - (need - 1) * page_size if need > 0 else 0)
+
+        def as_tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int32, device=device)
+
+        return cls(as_tensor(indptr), as_tensor(indices), as_tensor(last), page_size, num_pages)
+
+    @property
+    def num_rows(self) -> int:
+        return self.kv_indptr.shape[0] - 1
+
+    @property
+    def device(self) -> torch.device:
+        return self.kv_indptr.device
+
+    def seq_lens(self) -> torch.Tensor:
+        """Tokens per row, int32 ``[num_rows]`` on the table's device (no host sync)."""
+        return get_seq_lens(self.kv_indptr, self.kv_last_page_len, self.page_size)
