@@ -1,0 +1,336 @@
+"""The paged KV pool: one cache tensor for every layer, and a host-side page allocator.
+
+Storage. One tensor holds the K and V pages of all layers:
+
+    NHD: [num_layers, num_pages, 2, page_size, num_kv_heads, head_dim]
+    HND: [num_layers, num_pages, 2, num_kv_heads, page_size, head_dim]
+
+``pool.layer(i)`` is layer ``i``'s slice, a view in the single-tensor form every kernel
+takes (``[num_pages, 2, ...]``). Page ``p`` means the same slot range in every layer, so
+one page table serves the whole model.
+
+Ownership. The allocator lives on the host and counts references per page. Whoever holds
+a page number holds one reference to it:
+
+* :meth:`PagedKVPool.allocate` hands out fresh pages with refcount 1 (all-or-nothing).
+* :meth:`PagedKVPool.fork` adds one reference per listed page: a second sequence now
+  shares those pages (a shared prefix). Shared pages must be treated as read-only.
+* :meth:`PagedKVPool.free` drops one reference per listed page; a page goes back to the
+  free list when its count reaches 0. Freeing a page that is already free raises.
+* :meth:`PagedKVPool.copy_on_write` is what a holder calls before writing into pages it
+  may share: every listed page with refcount > 1 is replaced by a private copy (all
+  layers, K and V, one batched kernel launch) and the holder's reference to the original
+  is dropped. Pages it already owns alone are returned unchanged.
+
+Every operation checks its whole argument first and either succeeds completely or raises
+leaving the pool exactly as it was: running out of pages raises :class:`OutOfPagesError`
+(a ``RuntimeError``), bad page numbers raise ``ValueError``. The cache contents of a
+freshly allocated page are whatever was there before (zeros for a new pool).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import Counter
+from collections.abc import Iterable, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from cascadeinfer._checks import FLOAT_DTYPES, capturing, check_int32_vector, check_tensor, next_power_of_2, use_triton
+from cascadeinfer.layouts.page_table import PageTable
+from cascadeinfer.layouts.paged_cache import check_kv_layout
+
+
+@triton.jit
+def _copy_pages_kernel(
+    cache_ptr,  # [num_layers, num_pages, page_numel]: every page contiguous inside its layer
+    src_ptr,  # [num_copies] int32: page to read
+    dst_ptr,  # [num_copies] int32: page to write
+    stride_layer,  # elements between layers
+    stride_page,  # elements between pages
+    page_numel,  # elements of one page (K and V together)
+    BLOCK: tl.constexpr,
+):
+    copy = tl.program_id(0)
+    layer = tl.program_id(1)
+    chunk = tl.program_id(2)
+    src = tl.load(src_ptr + copy).to(tl.int64)
+    dst = tl.load(dst_ptr + copy).to(tl.int64)
+    offs = chunk * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < page_numel
+    base = layer.to(tl.int64) * stride_layer
+    # A plain copy: no arithmetic, so no float32 upcast; the bits move unchanged.
+    x = tl.load(cache_ptr + base + src * stride_page + offs, mask=mask)
+    tl.store(cache_ptr + base + dst * stride_page + offs, x, mask=mask)
+
+
+def copy_pages(
+    cache: torch.Tensor,
+    src_pages: torch.Tensor,
+    dst_pages: torch.Tensor,
+    *,
+    validate: bool = True,
+) -> None:
+    """Copy page ``src_pages[c]`` onto page ``dst_pages[c]`` in every layer, in one launch.
+
+    ``cache``: ``[num_layers, num_pages, *page_shape]`` float16/bfloat16/float32, each
+    page contiguous within its layer (true of :class:`PagedKVPool`'s cache in both
+    layouts). ``src_pages``, ``dst_pages``: int32 ``[num_copies]`` on the cache's device.
+    With ``validate`` (and not while capturing) every page must be inside the pool, the
+    destinations distinct and disjoint from the sources (otherwise the copies would race).
+    Runs the Triton kernel where :func:`use_triton` says so, else a torch gather/scatter.
+    """
+    check_tensor("cache", cache, dtypes=FLOAT_DTYPES)
+    if cache.dim() < 3:
+        raise ValueError(f"cache: expected [num_layers, num_pages, *page_shape], got {list(cache.shape)}")
+    page_numel = 1
+    for size in cache.shape[2:]:
+        page_numel *= size
+    expected = 1
+    for dim in range(cache.dim() - 1, 1, -1):
+        if cache.shape[dim] > 1 and cache.stride(dim) != expected:
+            raise ValueError(
+                f"cache: each page must be contiguous within its layer, got strides {tuple(cache.stride())}"
+            )
+        expected *= cache.shape[dim]
+    num_pages = cache.shape[1]
+    check_int32_vector("src_pages", src_pages, cache.device)
+    check_int32_vector("dst_pages", dst_pages, cache.device, length=src_pages.shape[0])
+    if validate and not capturing():
+        src, dst = src_pages.cpu().tolist(), dst_pages.cpu().tolist()
+        for name, pages in (("src_pages", src), ("dst_pages", dst)):
+            for i, p in enumerate(pages):
+                if not 0 <= p < num_pages:
+                    raise ValueError(f"{name}: page {p} at position {i} is outside the pool of {num_pages} pages")
+        if len(set(dst)) != len(dst):
+            raise ValueError("dst_pages: destinations must be distinct")
+        if set(dst) & set(src):
+            raise ValueError("dst_pages: a destination is also a source; the copies would race")
+    num_copies = src_pages.shape[0]
+    if num_copies == 0 or cache.shape[0] == 0 or page_numel == 0:
+        return
+    if not use_triton(cache.device):
+        cache[:, dst_pages.long()] = cache[:, src_pages.long()]
+        return
+    block = min(next_power_of_2(page_numel), 2048)
+    grid = (num_copies, cache.shape[0], triton.cdiv(page_numel, block))
+    _copy_pages_kernel[grid](
+        cache, src_pages, dst_pages, cache.stride(0), cache.stride(1), page_numel, BLOCK=block,
+    )
+
+
+class OutOfPagesError(RuntimeError):
+    """The pool has fewer free pages than an operation needs; the pool is unchanged."""
+
+    def __init__(self, requested: int, free: int, num_pages: int, what: str = "allocate") -> None:
+        self.requested = requested
+        self.free = free
+        self.num_pages = num_pages
+        super().__init__(
+            f"PagedKVPool.{what}: needs {requested} free pages but only {free} of {num_pages} are free"
+        )
+
+
+class PagedKVPool:
+    """A paged KV cache for ``num_layers`` layers plus the allocator of its pages.
+
+    ``PagedKVPool(num_layers, num_pages, page_size, num_kv_heads, head_dim, *, dtype,
+    device, kv_layout="NHD")`` allocates ``cache`` (zeros) in the shape given in the
+    module docstring; see there for the ownership model. ``layer(i)`` is the per-layer
+    view kernels take. The allocator is plain host state (not thread-safe); it never
+    reads the device except to copy pages in :meth:`copy_on_write`.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        kv_layout: str = "NHD",
+    ) -> None:
+        for name, value in (("num_layers", num_layers), ("num_pages", num_pages), ("page_size", page_size),
+                            ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+            if value < 1:
+                raise ValueError(f"{name}: expected a positive int, got {value}")
+        if dtype not in FLOAT_DTYPES:
+            raise TypeError(f"dtype: expected one of {FLOAT_DTYPES}, got {dtype}")
+        self.kv_layout = check_kv_layout(kv_layout)
+        self.num_layers = num_layers
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        inner = (page_size, num_kv_heads) if kv_layout == "NHD" else (num_kv_heads, page_size)
+        self.cache = torch.zeros(
+            (num_layers, num_pages, 2, *inner, head_dim), dtype=dtype, device=device
+        )
+        self._refcount = [0] * num_pages
+        # A stack: pop() hands out low page numbers first; freed pages are reused first.
+        self._free = list(range(num_pages - 1, -1, -1))
+
+    # ---- storage -----------------------------------------------------------------
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.cache.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.cache.device
+
+    def layer(self, i: int) -> torch.Tensor:
+        """Layer ``i``'s cache as one tensor ``[num_pages, 2, ...]`` (a view, not a copy)."""
+        i = operator.index(i)
+        if not 0 <= i < self.num_layers:
+            raise IndexError(f"layer: index {i} out of range for {self.num_layers} layers")
+        return self.cache[i]
+
+    # ---- allocator ---------------------------------------------------------------
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def free_pages(self) -> list[int]:
+        """The free page numbers (a copy, in the order they will be handed out last-first)."""
+        return list(self._free)
+
+    def refcount(self, page: int) -> int:
+        """References held on ``page`` (0 when free)."""
+        return self._refcount[self._page("page", page, None)]
+
+    def allocate(self, n: int) -> list[int]:
+        """``n`` fresh pages, each with refcount 1. All or nothing: raises
+        :class:`OutOfPagesError` (pool unchanged) when fewer than ``n`` are free."""
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise TypeError(f"n: expected an int, got {type(n).__name__}")
+        if n < 0:
+            raise ValueError(f"n: expected a non-negative number of pages, got {n}")
+        if n > len(self._free):
+            raise OutOfPagesError(n, len(self._free), self.num_pages)
+        pages = [self._free.pop() for _ in range(n)]
+        for p in pages:
+            self._refcount[p] = 1
+        return pages
+
+    def fork(self, pages: Iterable[int]) -> list[int]:
+        """Add one reference to each listed page (sharing); returns the pages as a list.
+
+        Every page must be allocated; a page listed twice gains two references.
+        """
+        pages = self._pages(pages)
+        self._require_allocated(pages)
+        for p in pages:
+            self._refcount[p] += 1
+        return pages
+
+    def free(self, pages: Iterable[int]) -> None:
+        """Drop one reference per listed page; pages reaching 0 return to the free list.
+
+        Raises ``ValueError`` (pool unchanged) if a page would drop below zero references,
+        e.g. freeing a free page or listing a page more times than it is referenced.
+        """
+        pages = self._pages(pages)
+        for p, count in Counter(pages).items():
+            if self._refcount[p] < count:
+                raise ValueError(
+                    f"pages: page {p} is freed {count} time(s) but holds {self._refcount[p]} reference(s)"
+                )
+        for p in pages:
+            self._release(p)
+
+    def copy_on_write(self, pages: Iterable[int]) -> list[int]:
+        """Make the caller the sole owner of each listed page; returns the new page list.
+
+        Pages are handled in order: a page whose refcount is > 1 (counting the references
+        this call has already dropped, so a page listed twice by its two holders is copied
+        once) is replaced by a fresh page holding a copy of its contents in every layer
+        (K and V), and one reference to the original is dropped; a page whose reference is
+        the caller's alone is kept.
+        All copies run in one batched launch. All or nothing: raises
+        :class:`OutOfPagesError` (pool and cache unchanged) when there are not enough
+        free pages for the copies, ``ValueError`` for pages that are not allocated.
+        """
+        pages = self._pages(pages)
+        self._require_allocated(pages)
+        # Plan without touching the pool, so that failing leaves it as it was.
+        pending = Counter()
+        needs_copy = []
+        for p in pages:
+            needs_copy.append(self._refcount[p] - pending[p] > 1)
+            if needs_copy[-1]:
+                pending[p] += 1
+        num_copies = sum(needs_copy)
+        if num_copies > len(self._free):
+            raise OutOfPagesError(num_copies, len(self._free), self.num_pages, "copy_on_write")
+        if num_copies == 0:
+            return pages
+        free_before = list(self._free)
+        fresh = self.allocate(num_copies)
+        src = [p for p, copy in zip(pages, needs_copy) if copy]
+        try:
+            idx = torch.tensor([src, fresh], dtype=torch.int32).to(self.device)
+            copy_pages(self.cache, idx[0], idx[1], validate=False)
+        except BaseException:
+            for p in fresh:  # undo the allocation exactly, free-list order included
+                self._refcount[p] = 0
+            self._free = free_before
+            raise
+        for p in src:
+            self._release(p)
+        it = iter(fresh)
+        return [next(it) if copy else p for p, copy in zip(pages, needs_copy)]
+
+    def page_table(
+        self, page_lists: Sequence[Sequence[int]], seq_lens: Sequence[int] | torch.Tensor
+    ) -> PageTable:
+        """A :class:`PageTable` over this pool (on its device) from host page lists."""
+        return PageTable.from_page_lists(
+            page_lists, seq_lens, self.page_size, num_pages=self.num_pages, device=self.device
+        )
+
+    # ---- internals ---------------------------------------------------------------
+
+    def _page(self, name: str, page: object, i: int | None) -> int:
+        what = name if i is None else f"{name}: entry {i}"
+        if isinstance(page, bool):
+            raise TypeError(f"{what} is a bool, expected a page number")
+        try:
+            p = operator.index(page)
+        except TypeError:
+            raise TypeError(f"{what} is {type(page).__name__}, expected a page number") from None
+        if not 0 <= p < self.num_pages:
+            raise ValueError(f"{what} is page {p}, outside the pool of {self.num_pages} pages")
+        return p
+
+    def _pages(self, pages: Iterable[int]) -> list[int]:
+        if isinstance(pages, torch.Tensor):
+            pages = pages.tolist()
+        return [self._page("pages", p, i) for i, p in enumerate(pages)]
+
+    def _require_allocated(self, pages: list[int]) -> None:
+        for i, p in enumerate(pages):
+            if self._refcount[p] == 0:
+                raise ValueError(f"pages: page {p} at position {i} is free (not allocated)")
+
+    def _release(self, p: int) -> None:
+        self._refcount[p] -= 1
+        if self._refcount[p] == 0:
+            self._free.append(p)
+
+    def __repr__(self) -> str:
+        return (
+            f"PagedKVPool(num_layers={self.num_layers}, num_pages={self.num_pages}, "
+            f"page_size={self.page_size}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"dtype={self.dtype}, device={self.device}, kv_layout={self.kv_layout!r}, "
+            f"num_free={self.num_free})"
+        )
