@@ -1,0 +1,259 @@
+"""Append new tokens' K and V into a paged KV cache.
+
+Token ``j`` of the append belongs to page-table row ``b = batch_indices[j]`` at sequence
+position ``p = positions[j]`` and is written to
+
+    page = kv_indices[kv_indptr[b] + p // page_size],   slot = p % page_size
+
+of both the K and the V cache, in either layout and either cache form. A token with
+``batch_indices[j] < 0`` is padding and is skipped (what
+:func:`~cascadeinfer.layouts.page_table.get_batch_indices_positions` produces past the
+real tokens), so a CUDA graph can be captured for a padded ``nnz``.
+
+The launch reads no tensor contents on the host (grid from ``nnz`` and shapes only), so
+it is CUDA-graph safe with ``validate=False``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from cascadeinfer._checks import (
+    capturing,
+    check_int32_vector,
+    check_last_dim_contiguous,
+    check_tensor,
+    next_power_of_2,
+    use_triton,
+)
+from cascadeinfer.layouts.page_table import get_seq_lens, validate_page_table
+from cascadeinfer.layouts.paged_cache import PagedKV, PagedKVCache, unpack_paged_kv_cache
+
+
+@triton.jit
+def _append_paged_kv_kernel(
+    key_ptr,  # [nnz, num_kv_heads, head_dim]
+    value_ptr,  # [nnz, num_kv_heads, head_dim]
+    batch_indices_ptr,  # [nnz] int32, < 0 = padding
+    positions_ptr,  # [nnz] int32
+    k_cache_ptr,  # [num_pages, page_size, num_kv_heads, head_dim] or HND, via strides
+    v_cache_ptr,  # same shape and strides as k_cache_ptr
+    kv_indices_ptr,  # [nnz_pages] int32
+    kv_indptr_ptr,  # [batch + 1] int32
+    stride_key_tok,
+    stride_key_head,
+    stride_value_tok,
+    stride_value_head,
+    stride_page,
+    stride_slot,
+    stride_head,
+    num_kv_heads,
+    head_dim,
+    page_size,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    tok = tl.program_id(0)
+    head_block = tl.program_id(1)
+    row = tl.load(batch_indices_ptr + tok)
+    if row >= 0:
+        pos = tl.load(positions_ptr + tok)
+        page_start = tl.load(kv_indptr_ptr + row)
+        page = tl.load(kv_indices_ptr + page_start + pos // page_size).to(tl.int64)
+        slot = (pos % page_size).to(tl.int64)
+
+        heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+        dims = tl.arange(0, BLOCK_D)
+        mask = (heads < num_kv_heads)[:, None] & (dims < head_dim)[None, :]
+        heads64 = heads.to(tl.int64)[:, None]
+        tok64 = tok.to(tl.int64)
+        src_k = key_ptr + tok64 * stride_key_tok + heads64 * stride_key_head + dims[None, :]
+        src_v = value_ptr + tok64 * stride_value_tok + heads64 * stride_value_head + dims[None, :]
+        dst = page * stride_page + slot * stride_slot + heads64 * stride_head + dims[None, :]
+        # A plain copy: no arithmetic, so no float32 upcast; the bits move unchanged
+        # (exact for fp16, bf16 and fp32 alike, on the GPU and in the interpreter).
+        tl.store(k_cache_ptr + dst, tl.load(src_k, mask=mask), mask=mask)
+        tl.store(v_cache_ptr + dst, tl.load(src_v, mask=mask), mask=mask)
+
+
+def _check_append_args(
+    append_key: torch.Tensor,
+    append_value: torch.Tensor,
+    batch_indices: torch.Tensor,
+    positions: torch.Tensor,
+    paged_kv_cache: PagedKVCache,
+    kv_indices: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_last_page_len: torch.Tensor,
+    kv_layout: str,
+    validate: bool,
+) -> PagedKV:
+    kv = unpack_paged_kv_cache(paged_kv_cache, kv_layout)
+    check_tensor("append_key", append_key, ndim=3, dtypes=(kv.dtype,), device=kv.device,
+                 shape=(None, kv.num_kv_heads, kv.head_dim))
+    nnz = append_key.shape[0]
+    check_tensor("append_value", append_value, ndim=3, dtypes=(kv.dtype,), device=kv.device,
+                 shape=(nnz, kv.num_kv_heads, kv.head_dim))
+    check_last_dim_contiguous("append_key", append_key)
+    check_last_dim_contiguous("append_value", append_value)
+    check_int32_vector("batch_indices", batch_indices, kv.device, length=nnz)
+    check_int32_vector("positions", positions, kv.device, length=nnz)
+    check_tensor("kv_indptr", kv_indptr, device=kv.device)
+    validate_page_table(kv_indptr, kv_indices, kv_last_page_len, kv.page_size, kv.num_pages,
+                        contents=validate and not capturing())
+    if validate and not capturing():
+        _check_targets(batch_indices, positions, kv_indptr, kv_indices, kv_last_page_len, kv.page_size)
+    return kv
+
+
+def _check_targets(
+    batch_indices: torch.Tensor,
+    positions: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_last_page_len: torch.Tensor,
+    page_size: int,
+) -> None:
+    """Every real token lands inside its row's length, and no two land on one slot."""
+    n = kv_indptr.shape[0] - 1
+    rows = batch_indices.cpu().long()
+    pos = positions.cpu().long()
+    bad = rows >= n
+    if bool(bad.any()):
+        j = int(bad.nonzero()[0, 0])
+        raise ValueError(f"batch_indices: entry {j} is {int(rows[j])}, outside the {n} rows of kv_indptr")
+    real = rows >= 0
+    if not bool(real.any()):
+        return
+    seq_lens = get_seq_lens(kv_indptr, kv_last_page_len, page_size).cpu().long()
+    safe_rows = rows.clamp(min=0)
+    bad = real & ((pos < 0) | (pos >= seq_lens[safe_rows]))
+    if bool(bad.any()):
+        j = int(bad.nonzero()[0, 0])
+        b = int(rows[j])
+        raise ValueError(
+            f"positions: entry {j} is {int(pos[j])} but row {b} holds {int(seq_lens[b])} tokens "
+            "(kv_last_page_len must count the appended tokens)"
+        )
+    indptr = kv_indptr.cpu().long()
+    pages = kv_indices.cpu().long()[indptr[safe_rows[real]] + pos[real] // page_size]
+    target = pages * page_size + pos[real] % page_size
+    uniq, counts = torch.unique(target, return_counts=True)
+    if bool((counts > 1).any()):
+        slot = int(uniq[counts > 1][0])
+        tokens = real.nonzero()[:, 0][target == slot].tolist()
+        raise ValueError(
+            f"positions: tokens {tokens[0]} and {tokens[1]} both write page {slot // page_size} "
+            f"slot {slot % page_size} (a page shared by two rows needs copy-on-write first)"
+        )
+
+
+def append_paged_kv_cache(
+    append_key: torch.Tensor,
+    append_value: torch.Tensor,
+    batch_indices: torch.Tensor,
+    positions: torch.Tensor,
+    paged_kv_cache: PagedKVCache,
+    kv_indices: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_last_page_len: torch.Tensor,
+    *,
+    kv_layout: str = "NHD",
+    validate: bool = True,
+) -> None:
+    """Write ``nnz`` new tokens' K and V into their slots of a paged cache, in place.
+
+    Args:
+        append_key, append_value: ``[nnz, num_kv_heads, head_dim]``, the cache's dtype
+            (float16, bfloat16 or float32) and device; any strides with the last one 1.
+        batch_indices: int32 ``[nnz]``, the page-table row of each token (``< 0``: skip).
+        positions: int32 ``[nnz]``, each token's position in its row's sequence.
+        paged_kv_cache: single tensor or ``(k, v)`` tuple in ``kv_layout`` ("NHD"/"HND").
+        kv_indices, kv_indptr, kv_last_page_len: the CSR page table (int32; see
+            :mod:`cascadeinfer.layouts.page_table`), whose lengths already count the
+            appended tokens.
+
+    Token ``j`` goes to page ``kv_indices[kv_indptr[b] + p // page_size]``, slot
+    ``p % page_size`` with ``b = batch_indices[j]``, ``p = positions[j]``; nothing else in
+    the cache changes. Shape, dtype and device errors always raise
+    ``ValueError``/``TypeError`` naming the argument before any launch. With ``validate``
+    (not while capturing a CUDA graph; it syncs) the page table is checked as in
+    :func:`~cascadeinfer.layouts.page_table.validate_page_table`, every real token must
+    lie inside its row (``0 <= p < seq_len``) and no two tokens may target one slot.
+    ``kv_last_page_len`` is read only by that check. Returns ``None``.
+    """
+    kv = _check_append_args(append_key, append_value, batch_indices, positions, paged_kv_cache,
+                            kv_indices, kv_indptr, kv_last_page_len, kv_layout, validate)
+    nnz = append_key.shape[0]
+    if nnz == 0:
+        return
+    if not use_triton(kv.device):
+        _append_torch(append_key, append_value, batch_indices, positions, kv, kv_indices, kv_indptr)
+        return
+    block_d = next_power_of_2(kv.head_dim)
+    block_h = min(next_power_of_2(kv.num_kv_heads), max(1, 4096 // block_d))
+    grid = (nnz, triton.cdiv(kv.num_kv_heads, block_h))
+    _append_paged_kv_kernel[grid](
+        append_key, append_value, batch_indices, positions, kv.k, kv.v, kv_indices, kv_indptr,
+        append_key.stride(0), append_key.stride(1), append_value.stride(0), append_value.stride(1),
+        kv.stride_page, kv.stride_token, kv.stride_head,
+        kv.num_kv_heads, kv.head_dim, kv.page_size,
+        BLOCK_H=block_h, BLOCK_D=block_d,
+    )
+
+
+def _append_torch(
+    append_key: torch.Tensor,
+    append_value: torch.Tensor,
+    batch_indices: torch.Tensor,
+    positions: torch.Tensor,
+    kv: PagedKV,
+    kv_indices: torch.Tensor,
+    kv_indptr: torch.Tensor,
+) -> None:
+    """Vectorised PyTorch path for plain CPU tensors (no sync-freedom needed there)."""
+    real = batch_indices >= 0
+    rows = batch_indices[real].long()
+    pos = positions[real].long()
+    pages = kv_indices.long()[kv_indptr.long()[rows] + pos // kv.page_size]
+    slots = pos % kv.page_size
+    for cache, src in ((kv.k, append_key), (kv.v, append_value)):
+        nhd = cache if kv.kv_layout == "NHD" else cache.transpose(1, 2)  # view [P, page_size, H, D]
+        nhd[pages, slots] = src[real]
+
+
+def append_paged_kv_cache_ref(
+    append_key: torch.Tensor,
+    append_value: torch.Tensor,
+    batch_indices: torch.Tensor,
+    positions: torch.Tensor,
+    paged_kv_cache: PagedKVCache,
+    kv_indices: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_last_page_len: torch.Tensor,
+    *,
+    kv_layout: str = "NHD",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference: the K and V caches after the append, as new float64 tensors.
+
+    Same arguments as :func:`append_paged_kv_cache`; the input cache is not modified.
+    Returns ``(k, v)`` in the layout's per-tensor form (``[num_pages, page_size, Hkv, D]``
+    for NHD, ``[num_pages, Hkv, page_size, D]`` for HND), float64 (exact for every input
+    dtype). One token at a time, on the host; ``kv_last_page_len`` is not needed.
+    """
+    kv = unpack_paged_kv_cache(paged_kv_cache, kv_layout)
+    k, v = kv.k.double().cpu().clone(), kv.v.double().cpu().clone()
+    key, value = append_key.double().cpu(), append_value.double().cpu()
+    indptr, indices = kv_indptr.tolist(), kv_indices.tolist()
+    for j, (b, p) in enumerate(zip(batch_indices.tolist(), positions.tolist())):
+        if b < 0:
+            continue
+        page = indices[indptr[b] + p // kv.page_size]
+        slot = p % kv.page_size
+        if kv_layout == "NHD":
+            k[page, slot], v[page, slot] = key[j], value[j]
+        else:
+            k[page, :, slot], v[page, :, slot] = key[j], value[j]
+    return k, v
