@@ -43,6 +43,7 @@ from cascadeinfer._checks import (
     same_device,
     use_triton,
 )
+from cascadeinfer.kernels.merge import merge_states
 from cascadeinfer.layouts.paged_cache import PagedKV, PagedKVCache, unpack_paged_kv_cache
 
 LOG2E = 1.4426950408889634  # log2(e): natural-log scores -> base-2 scores
@@ -87,7 +88,7 @@ def _decode_tile(
     if MASKED:
         mask_n = tok < t_end
         if BLOCK_D == HEAD_DIM:
-            mask = mask_n[:, None] & (offs_d < BLOCK_D)[None, :]
+            mask = mask_n[:, None]  # broadcast over head_dim by tl.load
         else:
             mask = mask_n[:, None] & (offs_d < HEAD_DIM)[None, :]
         k = tl.load(k_ptr + offs, mask=mask, other=0.0)
@@ -435,14 +436,16 @@ def _batch_decode_paged(
 
 
 def _merge_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
-    """Stage 2: merge ``[batch, num_splits, H, D]`` partial states into ``out``, ``lse``."""
-    from cascadeinfer.kernels.reference import merge_state_ref  # placeholder until merge.py lands
+    """Stage 2: merge the ``[batch, num_splits, Hq, D]`` fp32 partial states into ``out``, ``lse``.
 
-    v, s = o_part[:, 0].double(), lse_part[:, 0].double()
-    for i in range(1, o_part.shape[1]):
-        v, s = merge_state_ref(v, s, o_part[:, i], lse_part[:, i])
-    out.copy_(v)
-    lse.copy_(s)
+    ``merge_states`` writes an output of its inputs' dtype; for fp16/bf16 it merges into
+    split 0's slot (an aliasing it allows) and one copy casts the result into ``out``.
+    """
+    if out.dtype == torch.float32:
+        merge_states(o_part, lse_part, out=out, out_lse=lse)
+    else:
+        merged, _ = merge_states(o_part, lse_part, out=o_part[:, 0], out_lse=lse)
+        out.copy_(merged)
 
 
 # --------------------------------------------------------------------------- reference

@@ -1,0 +1,271 @@
+"""Paged decode (batch_decode_paged) against the copy-bandwidth roofline and its peers.
+
+Run from the repository root on a GPU machine:
+
+    python -m benchmarks.bench_decode            # full grid
+    python -m benchmarks.bench_decode --quick    # a few shapes
+
+bf16, Hq=32, Hkv=8, head_dim=128, page 16, every request's pages randomly permuted in the
+pool. For each batch x context: our time (CUDA-graph replay, median), achieved GB/s
+(KV bytes + q/o/lse), the measured copy bandwidth and the fraction of it; beside it
+FlashInfer's BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True) when installed, and
+PyTorch SDPA on K/V already gathered into contiguous [batch, Hkv, L, D] tensors (the
+gather is not timed) where memory allows. Pools are rotated so that repeated calls are
+not served from L2 (one pool when it is larger than 3x L2 by itself). A second table
+compares the internal stage-1 launch variants on a few shapes. JSON goes to
+$OUT/bench_decode.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks._common import (
+    L2_BYTES,
+    bench_rotating,
+    environment,
+    load_flashinfer,
+    markdown_table,
+    measure_copy_bandwidth,
+    measure_matmul_rate,
+    rotation_count,
+    roofline_floor,
+    write_json,
+)
+from cascadeinfer.kernels import decode as decode_mod
+from cascadeinfer.kernels.decode import DECODE_VARIANTS, batch_decode_paged, decode_num_splits
+from cascadeinfer.kernels.reference import attention_state_ref
+from cascadeinfer.layouts.paged_cache import gather_paged_kv, unpack_paged_kv_cache
+
+HQ, HKV, D, PAGE = 32, 8, 128, 16
+DTYPE = torch.bfloat16
+BATCHES = (1, 16, 64, 256)
+CONTEXTS = (1024, 4096, 16384, 32768, 131072)
+MAX_KV_BYTES = 40e9  # skip combinations with more KV than this
+MAX_SDPA_KV_BYTES = 16e9  # SDPA needs a second, gathered copy of the KV
+VARIANT_SHAPES = ((1, 32768), (16, 4096), (16, 32768), (64, 4096), (64, 16384), (256, 4096))
+QUICK_SHAPES = ((1, 16384), (16, 4096), (16, 32768), (64, 4096), (256, 4096))
+LN2 = math.log(2.0)
+
+
+def kv_bytes(batch: int, ctx: int) -> int:
+    return batch * ctx * HKV * D * 2 * DTYPE.itemsize
+
+
+def io_bytes(batch: int, ctx: int) -> int:
+    """Bytes one call must move: K and V of every token, q in, o and lse out."""
+    return kv_bytes(batch, ctx) + 2 * batch * HQ * D * DTYPE.itemsize + batch * HQ * 4
+
+
+def page_table(batch: int, lens: list[int], num_pages: int, device, seed: int = 0):
+    """CSR page table with each request's pages randomly permuted over the pool."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    npages = [(n + PAGE - 1) // PAGE for n in lens]
+    indices = torch.randperm(num_pages, generator=g)[: sum(npages)].to(device, torch.int32)
+    indptr = torch.tensor([0, *torch.tensor(npages).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    last = torch.tensor([n - (p - 1) * PAGE if p else 0 for n, p in zip(lens, npages)],
+                        dtype=torch.int32, device=device)
+    return indptr, indices, last
+
+
+def new_pool(num_pages: int, device, layout: str = "NHD") -> torch.Tensor:
+    shape = (num_pages, 2, PAGE, HKV, D) if layout == "NHD" else (num_pages, 2, HKV, PAGE, D)
+    return torch.empty(shape, dtype=DTYPE, device=device).normal_()
+
+
+# --------------------------------------------------------------------------- correctness
+
+
+def check_correctness(fi, device: str = "cuda", lens: tuple[int, ...] = (0, 1, 16, 517, 4096, 3000, 70, 12345)) -> None:
+    """Ours (every variant, both layouts, ragged lengths with empty rows) against the
+    float64 reference on the GPU; FlashInfer against ours. Raises on a mismatch."""
+    dev = torch.device(device)
+    num_pages = sum((n + PAGE - 1) // PAGE for n in lens) + 64
+    for layout in ("NHD", "HND"):
+        pool = new_pool(num_pages, dev, layout)
+        indptr, indices, last = page_table(len(lens), lens, num_pages, dev, seed=1)
+        q = torch.randn(len(lens), HQ, D, device=dev, dtype=DTYPE)
+        kv = unpack_paged_kv_cache(pool, layout)
+        refs = [attention_state_ref(q[b:b + 1], *gather_paged_kv(kv, indptr, indices, last, b)) for b in range(len(lens))]
+        runs = {"default": lambda splits: batch_decode_paged(q, pool, indptr, indices, last, kv_layout=layout,
+                                                              num_splits=splits)}
+        for name, cfg in DECODE_VARIANTS.items():
+            runs[name] = lambda splits, cfg=cfg: decode_mod._batch_decode_paged(
+                q, pool, indptr, indices, last, kv_layout=layout, sm_scale=None, num_splits=splits,
+                out=None, lse=None, validate=True, config=cfg)
+        for name, run in runs.items():
+            for splits in (None, 1, 5):
+                o, s = run(splits)
+                for b, (o_ref, s_ref) in enumerate(refs):
+                    if lens[b] == 0:
+                        assert torch.all(o[b] == 0) and torch.all(s[b] == -math.inf), (name, layout, b)
+                        continue
+                    torch.testing.assert_close(o[b].double(), o_ref[0], atol=1.5e-2, rtol=1.5e-2,
+                                               msg=lambda m: f"{name} {layout} splits={splits} row {b}: {m}")
+                    torch.testing.assert_close(s[b].double(), s_ref[0], atol=1e-3, rtol=1e-4,
+                                               msg=lambda m: f"{name} {layout} splits={splits} row {b} lse: {m}")
+        if fi is not None and layout == "NHD":
+            nonempty = [b for b in range(len(lens)) if lens[b] > 0]
+            sel = torch.tensor(nonempty, device=dev)
+            sub_lens = [lens[b] for b in nonempty]
+            ip, _, la = page_table(len(sub_lens), sub_lens, num_pages, dev)
+            idx = torch.cat([indices[indptr[b]:indptr[b + 1]] for b in nonempty])
+            w = fi_wrapper(fi, ip, idx, la)
+            o_fi, s_fi = w.run(q[sel].contiguous(), pool, return_lse=True)
+            o, s = batch_decode_paged(q[sel].contiguous(), pool, ip, idx, la)
+            torch.testing.assert_close(o_fi.float(), o.float(), atol=2e-2, rtol=2e-2)
+            # FlashInfer's LSE is base 2; ours is natural log.
+            torch.testing.assert_close(s_fi.float() * LN2, s, atol=1e-3, rtol=1e-3)
+            print("# FlashInfer agrees with ours (lse base 2 converted)")
+    print("# correctness: ok (all variants, NHD and HND, splits None/1/5)")
+
+
+# --------------------------------------------------------------------------- peers
+
+
+def fi_wrapper(fi, indptr, indices, last, workspace=None):
+    if workspace is None:
+        workspace = torch.zeros(256 * 2**20, dtype=torch.uint8, device=indptr.device)
+    w = fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
+    w.plan(indptr, indices, last, HQ, HKV, D, PAGE, q_data_type=DTYPE, kv_data_type=DTYPE)
+    return w
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def time_shape(batch: int, ctx: int, copy_bw: float, mm_rate: float, fi, variants: bool) -> dict:
+    dev = torch.device("cuda")
+    kvb = kv_bytes(batch, ctx)
+    n_rot = 1 if kvb > 3 * L2_BYTES else rotation_count(kvb)
+    pages_per_req = ctx // PAGE
+    num_pages = batch * pages_per_req
+    indptr, indices, last = page_table(batch, [ctx] * batch, num_pages, dev, seed=batch * 7 + ctx)
+    pools = [new_pool(num_pages, dev) for _ in range(n_rot)]
+    qs = [torch.randn(batch, HQ, D, device=dev, dtype=DTYPE) for _ in range(n_rot)]
+    outs = [torch.empty_like(q) for q in qs]
+    lses = [torch.empty(batch, HQ, device=dev) for _ in range(n_rot)]
+    nbytes = io_bytes(batch, ctx)
+    flops = 4 * batch * HQ * ctx * D
+    floor = roofline_floor(nbytes, flops, copy_bw, mm_rate)
+    row = dict(batch=batch, ctx=ctx, kv_GB=kvb / 1e9, rot=n_rot, splits=decode_num_splits(batch, HKV, dev),
+               floor_us=floor * 1e6, copy_GBps=copy_bw / 1e9)
+
+    def ours(i, cfg=None):
+        return lambda: decode_mod._batch_decode_paged(
+            qs[i], pools[i], indptr, indices, last, kv_layout="NHD", sm_scale=None, num_splits=None,
+            out=outs[i], lse=lses[i], validate=False, config=cfg)
+
+    def record(prefix: str, seconds: float | None) -> None:
+        row[f"{prefix}_us"] = None if seconds is None else seconds * 1e6
+        row[f"{prefix}_GBps"] = None if seconds is None else nbytes / seconds / 1e9
+        row[f"{prefix}_frac"] = None if seconds is None else floor / seconds
+
+    record("ours", bench_rotating([ours(i) for i in range(n_rot)]))
+
+    if variants:
+        for name, cfg in DECODE_VARIANTS.items():
+            try:
+                record(f"var_{name}", bench_rotating([ours(i, cfg) for i in range(n_rot)]))
+            except Exception as exc:  # a variant that does not compile here is reported, not fatal
+                print(f"# variant {name} failed at batch {batch} ctx {ctx}: {type(exc).__name__}: {exc}",
+                      file=sys.stderr)
+                record(f"var_{name}", None)
+
+    if fi is not None:
+        try:
+            w = fi_wrapper(fi, indptr, indices, last)
+            fi_outs = [torch.empty_like(q) for q in qs]
+            t_fi = bench_rotating([lambda i=i: w.run(qs[i], pools[i], out=fi_outs[i]) for i in range(n_rot)])
+            torch.testing.assert_close(fi_outs[0].float(), outs[0].float(), atol=2e-2, rtol=2e-2)
+            record("fi", t_fi)
+        except Exception as exc:
+            print(f"# flashinfer failed at batch {batch} ctx {ctx}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            record("fi", None)
+    else:
+        record("fi", None)
+
+    if kvb <= MAX_SDPA_KV_BYTES:
+        del pools[1:]  # keep one pool as the gather source; SDPA gets its own rotated copies
+        try:
+            n_sdpa = 1 if kvb > 3 * L2_BYTES else n_rot
+            src = pools[0]
+            kv_sets = []
+            for _ in range(n_sdpa):
+                pages = src[indices.long()].view(batch, pages_per_req, 2, PAGE, HKV, D)
+                k = pages[:, :, 0].reshape(batch, ctx, HKV, D).transpose(1, 2).contiguous()
+                v = pages[:, :, 1].reshape(batch, ctx, HKV, D).transpose(1, 2).contiguous()
+                del pages
+                kv_sets.append((k, v))
+            sdpa_q = [qs[i % n_rot].unsqueeze(2) for i in range(n_sdpa)]
+
+            def sdpa(i):
+                return lambda: F.scaled_dot_product_attention(sdpa_q[i], kv_sets[i][0], kv_sets[i][1], enable_gqa=True)
+
+            o_sdpa = sdpa(0)()
+            torch.testing.assert_close(o_sdpa.squeeze(2).float(), outs[0].float(), atol=2e-2, rtol=2e-2)
+            record("sdpa", bench_rotating([sdpa(i) for i in range(n_sdpa)]))
+        except Exception as exc:
+            print(f"# sdpa failed at batch {batch} ctx {ctx}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            record("sdpa", None)
+    else:
+        record("sdpa", None)
+    if row.get("fi_us"):
+        row["fi_over_ours"] = row["fi_us"] / row["ours_us"]
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a few shapes only")
+    ap.add_argument("--no-variants", action="store_true", help="skip the launch-variant comparison")
+    ap.add_argument("--all-variants", action="store_true", help="compare the variants at every shape")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_decode needs a CUDA device")
+
+    env = environment()
+    print(f"# {env}")
+    fi = load_flashinfer()
+    check_correctness(fi)
+    copy_bw = measure_copy_bandwidth()
+    mm_rate = measure_matmul_rate()
+    print(f"# copy bandwidth {copy_bw / 1e9:.0f} GB/s (read + write), bf16 matmul {mm_rate / 1e12:.0f} TFLOP/s")
+
+    if args.quick:
+        shapes = list(QUICK_SHAPES)
+    else:
+        shapes = [(b, c) for b in BATCHES for c in CONTEXTS if kv_bytes(b, c) <= MAX_KV_BYTES]
+    rows = []
+    for batch, ctx in shapes:
+        variants = not args.no_variants and (args.all_variants or (batch, ctx) in VARIANT_SHAPES)
+        row = time_shape(batch, ctx, copy_bw, mm_rate, fi, variants)
+        gc.collect()  # free this shape's pools before the next one is allocated
+        torch.cuda.empty_cache()
+        rows.append(row)
+        print(f"# batch {batch:4d} ctx {ctx:6d}: ours {row['ours_us']:9.1f} us {row['ours_frac']:.3f} of copy"
+              + (f", flashinfer {row['fi_us']:9.1f} us {row['fi_frac']:.3f}" if row.get("fi_us") else ""),
+              flush=True)
+
+    write_json("bench_decode.json", dict(env=env, copy_Bps=copy_bw, matmul_flops=mm_rate,
+                                         shape=dict(hq=HQ, hkv=HKV, head_dim=D, page_size=PAGE, dtype=str(DTYPE)),
+                                         variants={k: str(v) for k, v in DECODE_VARIANTS.items()}, rows=rows))
+    var_rows = [r for r in rows if any(k.startswith("var_") for k in r)]
+    if var_rows:
+        cols = ["batch", "ctx", "ours_frac"] + [f"var_{n}_frac" for n in DECODE_VARIANTS]
+        print("\n## stage-1 launch variants (fraction of copy bandwidth)\n")
+        print(markdown_table(var_rows, cols))
+    print("\n## batch_decode_paged, bf16, Hq=32, Hkv=8, D=128, page 16 "
+          f"(copy bandwidth {copy_bw / 1e9:.0f} GB/s)\n")
+    print(markdown_table(rows, ["batch", "ctx", "kv_GB", "splits", "floor_us", "ours_us", "ours_GBps", "ours_frac",
+                                "fi_us", "fi_frac", "fi_over_ours", "sdpa_us", "sdpa_frac"]))
+
+
+if __name__ == "__main__":
+    main()
