@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One device-machine call: install the peers, then run each step given, logging under $OUT.
+#   bash benchmarks/gpu_run.sh "pytest tests/test_merge.py" "bench bench_merge --quick" ...
+# A step is "pytest ARGS..." (the gpu-marked tests run here) or "bench MODULE ARGS..."
+# (python -m benchmarks.MODULE). Steps run in order; a failing step does not stop the rest.
+set -u
+export PYTHONUNBUFFERED=1
+OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
+if ls .peers/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .peers/*.whl &&
+  python3 -c "import glob, tarfile; tarfile.open(glob.glob('.peers/*.tar.xz')[0]).extractall('/tmp/site')" &&
+  export FLASHINFER_WORKSPACE_BASE=/tmp/fiws FLASHINFER_CUDA_ARCH_LIST=9.0a
+fi
+export PYTHONPATH="$PWD:/tmp/site"
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" 2>&1 | tail -1
+status=0
+for step in "$@"; do
+  name=$(echo "$step" | tr -c 'A-Za-z0-9_.-' '_' | cut -c1-60)
+  echo "=== $step"
+  start=$(date +%s)
+  set -- $step
+  kind=$1; shift
+  case "$kind" in
+    pytest) python3 -m pytest -q -x -p no:cacheprovider "$@" >"$OUT/$name.log" 2>&1 ;;
+    bench) mod=$1; shift; python3 -m "benchmarks.$mod" "$@" >"$OUT/$name.log" 2>&1 ;;
+    *) echo "unknown step kind $kind" >"$OUT/$name.log"; false ;;
+  esac
+  rc=$?
+  [ $rc -ne 0 ] && status=1
+  tail -n 40 "$OUT/$name.log"
+  echo "=== rc=$rc in $(( $(date +%s) - start )) s"
+done
+exit $status
