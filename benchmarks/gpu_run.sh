@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device-machine call: install the peers, then run each step given, logging under $OUT.
+# One device-machine call: install the peers, then run each step given, logging to $OUT/run.log.
 #   bash benchmarks/gpu_run.sh "pytest tests/test_merge.py" "bench bench_merge --quick" ...
 # A step is "pytest ARGS..." (the gpu-marked tests run here) or "bench MODULE ARGS..."
 # (python -m benchmarks.MODULE). Steps run in order; a failing step does not stop the rest.
@@ -17,19 +17,21 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" 2>&1 | tail -1
 status=0
 for step in "$@"; do
-  name=$(echo "$step" | tr -c 'A-Za-z0-9_.-' '_' | cut -c1-60)
   echo "=== $step"
   start=$(date +%s)
   set -- $step
   kind=$1; shift
   case "$kind" in
-    pytest) python3 -m pytest -q -x -p no:cacheprovider "$@" >"$OUT/$name.log" 2>&1 ;;
-    bench) mod=$1; shift; python3 -m "benchmarks.$mod" "$@" >"$OUT/$name.log" 2>&1 ;;
-    *) echo "unknown step kind $kind" >"$OUT/$name.log"; false ;;
+    pytest) python3 -m pytest -q -x -p no:cacheprovider "$@" >"$OUT/step.log" 2>&1 ;;
+    bench) mod=$1; shift; python3 -m "benchmarks.$mod" "$@" >"$OUT/step.log" 2>&1 ;;
+    *) echo "unknown step kind $kind" >"$OUT/step.log"; false ;;
   esac
   rc=$?
   [ $rc -ne 0 ] && status=1
-  tail -n 40 "$OUT/$name.log"
+  cat "$OUT/step.log" >>"$OUT/run.log"
+  tail -n 40 "$OUT/step.log"
   echo "=== rc=$rc in $(( $(date +%s) - start )) s"
 done
+
+rm -f "$OUT/step.log"
 exit $status
