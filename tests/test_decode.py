@@ -167,6 +167,18 @@ def test_returns_fresh_outputs(device):
     check_against_reference(q, cache, indptr, indices, last, o, s)
 
 
+def test_validate_false_skips_content_checks(device, monkeypatch):
+    def fail(*args):
+        raise AssertionError("content checks ran although validate=False")
+
+    q, cache, indptr, indices, last = make_case(device, lens=[10, 25], seed=16)
+    monkeypatch.setattr(decode_mod, "_check_page_table", fail)
+    o, s = batch_decode_paged(q, cache, indptr, indices, last, num_splits=2, validate=False)
+    check_against_reference(q, cache, indptr, indices, last, o, s)
+    with pytest.raises(AssertionError, match="validate=False"):
+        batch_decode_paged(q, cache, indptr, indices, last)
+
+
 def test_empty_batch(device):
     q, cache, indptr, indices, last = make_case(device, lens=[], seed=10)
     o, s = batch_decode_paged(q, cache, indptr, indices, last)

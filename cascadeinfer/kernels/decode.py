@@ -241,11 +241,14 @@ MAX_SPLITS = 256
 
 
 @functools.cache
-def _num_sms(device_type: str, index: int | None) -> int:
-    if device_type != "cuda":
+def _cuda_num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
         return DEFAULT_NUM_SMS
-    idx = torch.cuda.current_device() if index is None else index
-    return torch.cuda.get_device_properties(idx).multi_processor_count
+    return _cuda_num_sms(torch.cuda.current_device() if device.index is None else device.index)
 
 
 def decode_num_splits(batch: int, num_kv_heads: int, device: torch.device | str, *, programs_per_sm: int = 2) -> int:
@@ -259,7 +262,7 @@ def decode_num_splits(batch: int, num_kv_heads: int, device: torch.device | str,
     if batch < 0 or num_kv_heads < 1:
         raise ValueError(f"batch, num_kv_heads: expected >= 0 and >= 1, got {batch}, {num_kv_heads}")
     dev = torch.device(device)
-    target = _num_sms(dev.type, dev.index) * programs_per_sm
+    target = _num_sms(dev) * programs_per_sm
     return max(1, min(MAX_SPLITS, target // max(1, batch * num_kv_heads)))
 
 
