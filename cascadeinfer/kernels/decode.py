@@ -225,15 +225,21 @@ class DecodeConfig:
             raise ValueError(f"invalid DecodeConfig {self}")
 
 
-# Variants the benchmark compares; ``pick_decode_config`` chooses among them.
+# Variants the benchmark compares; ``pick_decode_config`` chooses among them. The loop's
+# K/V loads hang off an in-loop page-table load, and Triton 3.6's pipeliner then keeps
+# floor((num_stages - 1) / 2) K/V tiles in flight (seen in the sm_90 TTGIR): num_stages=5
+# gives two 32 KiB tiles (bf16, D=128, BLOCK_N=64; 72 KiB of shared memory, 128 registers,
+# so three programs fit on an SM), num_stages=3 only one.
 DECODE_VARIANTS: dict[str, DecodeConfig] = {
+    "n64_w4_s5": DecodeConfig(block_n=64, num_warps=4, num_stages=5),
     "n64_w4_s3": DecodeConfig(block_n=64, num_warps=4, num_stages=3),
-    "n64_w4_s4": DecodeConfig(block_n=64, num_warps=4, num_stages=4),
-    "n128_w8_s2": DecodeConfig(block_n=128, num_warps=8, num_stages=2),
-    "n128_w4_s3": DecodeConfig(block_n=128, num_warps=4, num_stages=3),
-    "n32_w4_s4": DecodeConfig(block_n=32, num_warps=4, num_stages=4),
-    "n64_w4_s3_pps4": DecodeConfig(block_n=64, num_warps=4, num_stages=3, programs_per_sm=4),
-    "n64_w4_s3_pps1": DecodeConfig(block_n=64, num_warps=4, num_stages=3, programs_per_sm=1),
+    "n64_w4_s7": DecodeConfig(block_n=64, num_warps=4, num_stages=7),
+    "n64_w8_s5": DecodeConfig(block_n=64, num_warps=8, num_stages=5),
+    "n32_w4_s7": DecodeConfig(block_n=32, num_warps=4, num_stages=7),
+    "n128_w8_s5": DecodeConfig(block_n=128, num_warps=8, num_stages=5),
+    "n64_w4_s5_pps1": DecodeConfig(block_n=64, num_warps=4, num_stages=5, programs_per_sm=1),
+    "n64_w4_s5_pps3": DecodeConfig(block_n=64, num_warps=4, num_stages=5, programs_per_sm=3),
+    "n64_w4_s5_pps4": DecodeConfig(block_n=64, num_warps=4, num_stages=5, programs_per_sm=4),
 }
 
 DEFAULT_NUM_SMS = 132  # H100 SXM; used for the split plan of CPU tensors
@@ -269,10 +275,14 @@ def decode_num_splits(batch: int, num_kv_heads: int, device: torch.device | str,
 def pick_decode_config(head_dim: int, dtype: torch.dtype, page_size: int) -> DecodeConfig:
     """The stage-1 launch parameters :func:`batch_decode_paged` uses for these shapes."""
     block_d = max(16, next_power_of_2(head_dim))
-    if dtype == torch.float32 or block_d >= 256:
-        # fp32 tiles and head_dim 256 are twice the bytes per key: smaller tiles, 2 stages.
-        return DecodeConfig(block_n=32, num_warps=4, num_stages=2)
-    return DECODE_VARIANTS["n64_w4_s3"]
+    if dtype == torch.float32:
+        # fp32 "ieee" products run on FMA units and need many registers: 8 warps and 16-key
+        # tiles keep head_dim 128 free of spills (175 registers).
+        return DecodeConfig(block_n=16, num_warps=8, num_stages=5)
+    if block_d >= 256:
+        # twice the bytes per key: half the keys per tile, 8 warps (166 registers, 73 KiB).
+        return DecodeConfig(block_n=32, num_warps=8, num_stages=5)
+    return DECODE_VARIANTS["n64_w4_s5"]
 
 
 def _check_page_table(
