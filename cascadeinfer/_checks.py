@@ -39,13 +39,21 @@ def check_tensor(
         if t.dtype not in dtypes:
             want = " or ".join(str(d) for d in dtypes)
             raise TypeError(f"{name}: expected dtype {want}, got {t.dtype}")
-    if device is not None and t.device != device:
+    if device is not None and t.device != normalize_device(device):
         raise ValueError(f"{name}: expected a tensor on {device}, got one on {t.device}")
     if shape is not None:
         if len(shape) != t.dim() or any(w is not None and w != g for w, g in zip(shape, t.shape)):
             want = "[" + ", ".join("*" if w is None else str(w) for w in shape) + "]"
             raise ValueError(f"{name}: expected shape {want}, got {list(t.shape)}")
     return t
+
+
+def normalize_device(device: torch.device | str) -> torch.device:
+    """``torch.device("cuda")`` as the tensor device it means (``cuda:<current>``)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def check_int32_vector(name: str, t: object, device: torch.device, length: int | None = None) -> torch.Tensor:

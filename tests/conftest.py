@@ -70,4 +70,4 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def device() -> torch.device:
     """The device kernels run on: CUDA when present, else CPU through the interpreter."""
-    return torch.device("cuda" if HAS_GPU else "cpu")
+    return torch.device("cuda", torch.cuda.current_device()) if HAS_GPU else torch.device("cpu")

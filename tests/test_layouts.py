@@ -39,7 +39,7 @@ def test_indptr_round_trip_sequences(lengths):
 @settings(max_examples=30, deadline=None)
 @given(lengths=lengths_st, dtype=st.sampled_from([torch.int32, torch.int64, torch.int16, torch.uint8]))
 def test_indptr_round_trip_tensors(lengths, dtype):
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = (torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu"))
     t = torch.tensor(lengths, dtype=dtype, device=dev)
     indptr = indptr_from_lengths(t)
     assert indptr.device == dev and indptr.dtype == i32
@@ -164,7 +164,7 @@ def _batch_indices_positions_ref(append_indptr, seq_lens, nnz):
     pad=st.integers(0, 3),
 )
 def test_get_batch_indices_positions(rows, pad):
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = (torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu"))
     append_lens = [a for a, _ in rows]
     seq_lens = [a + before for a, before in rows]
     append_indptr = indptr_from_lengths(append_lens, device=dev)

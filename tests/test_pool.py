@@ -13,7 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from cascadeinfer.layouts.paged_cache import unpack_paged_kv_cache
 from cascadeinfer.layouts.pool import OutOfPagesError, PagedKVPool, copy_pages
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DEVICE = (torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu"))
 
 
 def _pool(device, *, layout="NHD", dtype=torch.float32, num_pages=8, num_layers=2):
