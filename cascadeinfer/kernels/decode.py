@@ -47,7 +47,7 @@ from cascadeinfer.kernels.merge import merge_states
 from cascadeinfer.layouts.paged_cache import PagedKV, PagedKVCache, unpack_paged_kv_cache
 
 LOG2E = 1.4426950408889634  # log2(e): natural-log scores -> base-2 scores
-LN2 = 0.6931471805599453  # ln(2): base-2 LSE -> natural-log LSE
+_LN2 = tl.constexpr(0.6931471805599453)  # ln(2): base-2 LSE -> natural-log LSE (used in the kernel)
 
 
 @triton.jit
@@ -194,7 +194,7 @@ def _decode_kernel(
     has_keys = l_i > 0
     l_safe = tl.where(has_keys, l_i, 1.0)
     o = acc / l_safe[:, None]
-    lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * _LN2, float("-inf"))
 
     o_offs = (req.to(tl.int64) * stride_ob + split.to(tl.int64) * stride_os
               + heads.to(tl.int64)[:, None] * stride_oh + offs_d[None, :])
@@ -273,7 +273,11 @@ def decode_num_splits(batch: int, num_kv_heads: int, device: torch.device | str,
 
 
 def pick_decode_config(head_dim: int, dtype: torch.dtype, page_size: int) -> DecodeConfig:
-    """The stage-1 launch parameters :func:`batch_decode_paged` uses for these shapes."""
+    """The stage-1 launch parameters :func:`batch_decode_paged` uses for these shapes.
+
+    ``page_size`` does not change the choice today (pages of 16 and 64 compile to the
+    same shared-memory footprint); it is part of the key so that it can.
+    """
     block_d = max(16, next_power_of_2(head_dim))
     if dtype == torch.float32:
         # fp32 "ieee" products run on FMA units and need many registers: 8 warps and 16-key
