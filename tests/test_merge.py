@@ -465,7 +465,7 @@ def _merge_tree(states, data, device):
     return merge_states_ragged(torch.cat(rows_v), torch.cat(rows_s), indptr)
 
 
-@settings(max_examples=25, **HYPOTHESIS)
+@settings(max_examples=80, **HYPOTHESIS)
 @given(data=st.data())
 def test_any_cut_any_tree_is_whole_attention(device, data):
     length = data.draw(st.integers(0, 24), label="keys")
@@ -490,7 +490,7 @@ def test_any_cut_any_tree_is_whole_attention(device, data):
     assert_state(o, lse, ref_o, ref_lse, dtype, scale=3.0)
 
 
-@settings(max_examples=20, **HYPOTHESIS)
+@settings(max_examples=40, **HYPOTHESIS)
 @given(data=st.data())
 def test_merge_algebra(device, data):
     """Commutative (LSE bit for bit), associative, and (0, -inf) is the identity (bit for bit)."""

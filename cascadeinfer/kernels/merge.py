@@ -108,7 +108,8 @@ def _merge_two_kernel(
 
     m = tl.maximum(s_a, s_b)
     m_safe = tl.where(m == float("-inf"), 0.0, m)  # both empty: never -inf - -inf
-    # Base change: natural-log differences (exact, small) times log2(e), then exp2.
+    # Base change: natural-log differences (small, so large LSEs keep their precision)
+    # times log2(e), then exp2.
     e_a = tl.exp2((s_a - m_safe) * _LOG2E)
     e_b = tl.exp2((s_b - m_safe) * _LOG2E)
     denom = e_a + e_b  # in [1, 2], or 0 when both are empty
@@ -249,17 +250,22 @@ def _min_programs(device: torch.device) -> int:
     return 4 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
-@functools.cache
-def _tile_config(n: int, num_heads: int, head_dim: int, elem_size: int, min_programs: int) -> tuple[int, int, int]:
+def _tile_config(n: int, num_heads: int, head_dim: int, elem_size: int, device: torch.device) -> tuple[int, int, int]:
     """(BLOCK_H, BLOCK_D, num_warps): about 4 KiB of values per program and state,
     16-byte vectors along head_dim, fewer heads per program when rows are few."""
+    min_programs = _min_programs(device)
+    return _tile_config_for(min(n, min_programs), num_heads, head_dim, elem_size, min_programs)
+
+
+@functools.cache
+def _tile_config_for(n: int, num_heads: int, head_dim: int, elem_size: int, min_programs: int) -> tuple[int, int, int]:
     tile = _TILE_BYTES // elem_size
     block_d = min(next_power_of_2(head_dim), tile)
     block_h = max(1, min(tile // block_d, next_power_of_2(num_heads)))
     while block_h > 1 and n * triton.cdiv(num_heads, block_h) < min_programs:
         block_h //= 2
     vec = 16 // elem_size
-    num_warps = max(1, min(4, block_h * block_d // (2 * vec * 32)))
+    num_warps = max(1, min(4, block_h * block_d // (2 * vec * 32)))  # two vectors per thread
     return block_h, block_d, num_warps
 
 
@@ -269,19 +275,18 @@ def _state_blocks(states_per_row: int) -> tuple[int, int]:
     return block_s, min(4, block_s)
 
 
-def _grid(n: int, num_heads: int, block_h: int) -> tuple[int]:
+def _grid(name: str, n: int, num_heads: int, block_h: int) -> tuple[int]:
     programs = n * triton.cdiv(num_heads, block_h)
     if programs > _MAX_GRID:
-        raise ValueError(f"v: {n} rows x {num_heads} heads need {programs} programs, more than a launch allows")
+        raise ValueError(f"{name}: {n} rows x {num_heads} heads need {programs} programs, more than one launch allows")
     return (programs,)
 
 
 def _launch_two(v_a, s_a, v_b, s_b, out, out_lse, mask, *, config=None) -> None:
     n, num_heads, head_dim = v_a.shape
-    block_h, block_d, num_warps = config or _tile_config(
-        n, num_heads, head_dim, v_a.element_size(), _min_programs(v_a.device))
+    block_h, block_d, num_warps = config or _tile_config(n, num_heads, head_dim, v_a.element_size(), v_a.device)
     mask_bytes = v_a if mask is None else mask.view(torch.uint8)
-    _merge_two_kernel[_grid(n, num_heads, block_h)](
+    _merge_two_kernel[_grid("v_a", n, num_heads, block_h)](
         v_a, s_a, v_b, s_b, out, out_lse, mask_bytes,
         num_heads,
         v_a.stride(0), v_a.stride(1),
@@ -309,10 +314,9 @@ def _launch_many(v, s, indptr, out, out_lse, *, config=None, state_blocks=None) 
         per_row = num_states = v.shape[1]
         v_strides = (v.stride(0), v.stride(1), v.stride(2))
         s_strides = (s.stride(0), s.stride(1), s.stride(2))
-    block_h, block_d, num_warps = config or _tile_config(
-        n, num_heads, head_dim, v.element_size(), _min_programs(v.device))
+    block_h, block_d, num_warps = config or _tile_config(n, num_heads, head_dim, v.element_size(), v.device)
     block_s, unroll = state_blocks or _state_blocks(per_row)
-    _merge_many_kernel[_grid(n, num_heads, block_h)](
+    _merge_many_kernel[_grid("v", n, num_heads, block_h)](
         v, s, indptr if ragged else s, out, out_lse,
         num_states, num_heads,
         *v_strides, *s_strides,
