@@ -1,0 +1,772 @@
+"""Tensor-core prefill attention: ragged queries against paged or ragged KV.
+
+One kernel serves three public entry points:
+
+* :func:`batch_prefill_paged` — group ``g``'s queries ``q[qo_indptr[g]:qo_indptr[g+1]]``
+  attend to group ``g``'s pages of a paged cache (CSR page table). Every cascade level
+  above the last runs through it; the shared-prefix level is ONE group holding every
+  query of the batch against a long prefix.
+* :func:`batch_prefill_ragged` — the same against contiguous ragged K/V (new prompts).
+* :func:`shared_prefix_attention` — every query against one contiguous prefix.
+
+How the kernel is laid out (the ideas of FlashAttention-2 and Triton's
+``06-fused-attention`` tutorial, with the query heads of one KV head packed together):
+
+* **GQA packing.** Row ``r`` of an M tile is ``(query token r // G, head-in-group r % G)``
+  with ``G = num_qo_heads // num_kv_heads``. A program owns one M tile of one group, one
+  KV head and one KV split, so each K/V tile it loads feeds ``BLOCK_M`` rows — all the
+  query heads that share that KV head — through two ``tl.dot`` on tensor cores.
+* **Sync-free tile map.** Group ``g`` owns the M tiles ``start(g) .. start(g) +
+  cdiv(rows(g), BLOCK_M)`` with ``start(g) = (qo_indptr[g] * G + g * (BLOCK_M - 1)) //
+  BLOCK_M``, which never overlap and never exceed ``(nnz_qo * G + num_groups *
+  (BLOCK_M - 1)) // BLOCK_M`` (exactly ``cdiv(nnz_qo * G, BLOCK_M)`` for one group). The
+  grid is that bound; each program finds its group by a binary search over
+  ``qo_indptr`` and exits when its tile is past the group's end. The host never reads
+  an indptr, so launches can be captured in a CUDA graph.
+* **Split-KV.** When tiles × KV heads cannot fill the SMs (128 decode queries × 4 heads
+  per KV head = 4 tiles × 8 KV heads = 32 programs on 132 SMs), each group's KV range is
+  cut into ``num_splits`` chunks (a function of shapes only), the programs write partial
+  states (o in q's dtype, LSE float32), and :func:`cascadeinfer.kernels.merge.merge_states`
+  merges them.
+* **Masked work apart.** Key tiles every row of the tile sees in full run without masks;
+  only the last partial tile and the causal diagonal band run the masked loop.
+
+Precision: dot operands stay in the storage dtype (fp16 / bf16 on tensor cores), the
+softmax and accumulators are float32. For float32 inputs both dots use
+``input_precision="ieee"`` (true fp32 FMA on the GPU, slow but exact to ~1e-6) rather
+than tf32: fp32 callers are asking for accuracy, speed is what fp16/bf16 are for.
+
+LSE is natural log at every boundary; inside the kernel scores are kept in log2 units
+(``log2(e) * sm_scale`` folded into one multiplier) so the softmax runs on ``exp2``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from cascadeinfer._checks import (
+    FLOAT_DTYPES,
+    capturing,
+    check_int32_vector,
+    check_last_dim_contiguous,
+    check_tensor,
+    default_sm_scale,
+    next_power_of_2,
+    same_device,
+    use_triton,
+)
+from cascadeinfer.kernels.merge import merge_states
+from cascadeinfer.kernels.reference import attention_state_ref
+from cascadeinfer.layouts.indptr import validate_indptr
+from cascadeinfer.layouts.page_table import validate_page_table
+from cascadeinfer.layouts.paged_cache import PagedKVCache, gather_paged_kv, unpack_paged_kv_cache
+
+LOG2E = math.log2(math.e)  # natural log -> log2 units: scores are scaled by sm_scale * LOG2E
+_LN2 = tl.constexpr(math.log(2.0))  # log2 -> natural log at the store
+
+
+# --------------------------------------------------------------------------------------
+# Kernel
+# --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _load_tile(
+    ptrs,  # [BLOCK_N, BLOCK_D] pointers (rows may be anywhere, the last dim is contiguous)
+    row_ok,  # [BLOCK_N] bool, used only when MASK_ROWS
+    offs_d,  # [BLOCK_D]
+    MASK_ROWS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Load a K or V tile, masking only what needs a mask (rows past the end, padded dims)."""
+    if MASK_ROWS:
+        x = tl.load(ptrs, mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+    elif HEAD_DIM != BLOCK_D:
+        x = tl.load(ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+    else:
+        x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _attn_tiles(
+    acc,  # [BLOCK_M, BLOCK_D] float32, un-normalised output
+    l_i,  # [BLOCK_M] float32, running sum of exp2(score - m_i)
+    m_i,  # [BLOCK_M] float32, running max score in log2 units (-inf: nothing seen yet)
+    q,  # [BLOCK_M, BLOCK_D] storage dtype, the packed (token, head) rows
+    k_ptr,  # K of this KV head (head offset applied; ragged: group start applied too)
+    v_ptr,  # V of this KV head, like k_ptr
+    page_ptr,  # [pages of this group] int32 page ids (PAGED only)
+    lo,  # first key of the range (a multiple of BLOCK_N from the split start)
+    hi,  # end of the range: tiles are [lo, hi) in steps of BLOCK_N
+    row_hi,  # [BLOCK_M] int32, keys < row_hi are visible to a row (MASKED only)
+    page_size,
+    stride_kp,
+    stride_kt,
+    stride_vp,
+    stride_vt,
+    qk_scale,  # sm_scale * log2(e): scores come out in log2 units
+    MASKED: tl.constexpr,  # mask keys per row (last partial tile, causal diagonal)
+    PAGED: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Fold the key tiles ``[lo, hi)`` into the online-softmax state ``(acc, l, m)``."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    for start in tl.range(lo, hi, BLOCK_N):
+        t = start + offs_n  # [BLOCK_N] key positions in the group's sequence
+        t_ok = t < hi
+        if PAGED:
+            if MASKED:
+                page = tl.load(page_ptr + t // page_size, mask=t_ok, other=0)
+            else:
+                page = tl.load(page_ptr + t // page_size)
+            page = page.to(tl.int64)
+            slot = (t % page_size).to(tl.int64)
+            k_off = page * stride_kp + slot * stride_kt
+            v_off = page * stride_vp + slot * stride_vt
+        else:
+            k_off = t.to(tl.int64) * stride_kt
+            v_off = t.to(tl.int64) * stride_vt
+        k = _load_tile(k_ptr + k_off[:, None] + offs_d[None, :], t_ok, offs_d, MASKED, HEAD_DIM, BLOCK_D)
+        v = _load_tile(v_ptr + v_off[:, None] + offs_d[None, :], t_ok, offs_d, MASKED, HEAD_DIM, BLOCK_D)
+
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        if MASKED:
+            s = tl.where(t[None, :] < row_hi[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if MASKED:
+            # A row that has seen no key yet keeps m = -inf; subtract 0 there so that
+            # exp2(-inf - 0) = 0 instead of exp2(-inf - -inf) = NaN.
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_sub = m_new  # every row sees every key of an unmasked tile: m_new is finite
+        p = tl.math.exp2(s - m_sub[:, None])
+        alpha = tl.math.exp2(m_i - m_sub)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,  # [nnz_qo, num_qo_heads, head_dim]
+    k_ptr,  # paged: [num_pages, page_size, num_kv_heads, head_dim] in any layout (strides); ragged: [nnz_kv, num_kv_heads, head_dim]
+    v_ptr,  # like k_ptr
+    o_ptr,  # [nnz_qo, num_splits, num_qo_heads, head_dim] q's dtype; num_splits == 1: the output itself
+    lse_ptr,  # [nnz_qo, num_splits, num_qo_heads] float32, natural log
+    qo_indptr_ptr,  # [num_groups + 1] int32 (not read when ONE_GROUP)
+    kv_indptr_ptr,  # [num_groups + 1] int32, pages (PAGED) or tokens (not read when ONE_GROUP)
+    kv_indices_ptr,  # [kv_indptr[-1]] int32 page ids (PAGED only)
+    kv_last_page_len_ptr,  # [num_groups] int32 (PAGED only)
+    search_steps,  # ceil(log2(num_groups)): binary-search iterations
+    num_groups,
+    one_group_qo_len,  # ONE_GROUP only: the number of queries
+    one_group_kv_len,  # ONE_GROUP only: the number of keys
+    page_size,
+    stride_qt,
+    stride_qh,
+    stride_kp,
+    stride_kt,
+    stride_kh,
+    stride_vp,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_os,
+    stride_oh,
+    stride_lt,
+    stride_ls,
+    stride_lh,
+    qk_scale,  # sm_scale * log2(e)
+    GROUP_SIZE: tl.constexpr,  # query heads per KV head
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # next power of two >= HEAD_DIM (and >= 16)
+    PAGED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    ONE_GROUP: tl.constexpr,  # one group, no indptr (shared_prefix_attention)
+    DOT_PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+
+    # ---- which group, which tile of it, and the group's KV range (no host reads)
+    if ONE_GROUP:
+        qo_start = 0
+        qo_len = one_group_qo_len
+        local_tile = tile
+        kv_start = 0
+        kv_len = one_group_kv_len
+    else:
+        # Largest g with start(g) <= tile, start(g) = (qo_indptr[g] * G + g * (BLOCK_M - 1)) // BLOCK_M.
+        lo_g = num_groups * 0
+        hi_g = num_groups
+        for _ in range(search_steps):
+            mid = (lo_g + hi_g) // 2
+            mid_start = (tl.load(qo_indptr_ptr + mid) * GROUP_SIZE + mid * (BLOCK_M - 1)) // BLOCK_M
+            go_right = mid_start <= tile
+            lo_g = tl.where(go_right, mid, lo_g)
+            hi_g = tl.where(go_right, hi_g, mid)
+        group = lo_g
+        qo_start = tl.load(qo_indptr_ptr + group)
+        qo_len = tl.load(qo_indptr_ptr + group + 1) - qo_start
+        local_tile = tile - (qo_start * GROUP_SIZE + group * (BLOCK_M - 1)) // BLOCK_M
+        kv_start = tl.load(kv_indptr_ptr + group)
+        kv_end = tl.load(kv_indptr_ptr + group + 1)
+        if PAGED:
+            last_len = tl.load(kv_last_page_len_ptr + group)
+            kv_len = tl.where(kv_end > kv_start, (kv_end - kv_start - 1) * page_size + last_len, 0)
+        else:
+            kv_len = kv_end - kv_start
+    row0 = local_tile * BLOCK_M
+    if row0 >= qo_len * GROUP_SIZE:
+        return  # a slot of the upper-bound grid that holds no tile
+
+    # ---- the packed query rows: row r = (token r // G, head-in-group r % G)
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    tok = offs_m // GROUP_SIZE
+    head = kv_head * GROUP_SIZE + offs_m % GROUP_SIZE
+    row_ok = offs_m < qo_len * GROUP_SIZE
+    d_ok = offs_d < HEAD_DIM
+    q_off = (qo_start + tok).to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
+    q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    # ---- key limits: row j of the group sees keys < kv_len - qo_len + j + 1 when causal
+    if CAUSAL:
+        shift = kv_len - qo_len + 1
+        row_lim = tl.minimum(shift + tok, kv_len)  # [BLOCK_M], may be <= 0: sees nothing
+        tok_last = tl.minimum((row0 + BLOCK_M - 1) // GROUP_SIZE, qo_len - 1)
+        lim_all = tl.minimum(shift + row0 // GROUP_SIZE, kv_len)  # every row of the tile sees these
+        lim_any = tl.minimum(shift + tok_last, kv_len)  # some row of the tile sees these
+    else:
+        row_lim = tl.full([BLOCK_M], 0, tl.int32) + kv_len
+        lim_all = kv_len
+        lim_any = kv_len
+
+    # ---- this program's split of the KV range, in whole BLOCK_N tiles
+    chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+    split_lo = split * chunk
+    split_hi = tl.minimum(split_lo + chunk, kv_len)
+    full_end = split_lo + tl.maximum(tl.minimum(split_hi, lim_all) - split_lo, 0) // BLOCK_N * BLOCK_N
+    masked_end = tl.minimum(split_hi, lim_any)
+
+    k_head = k_ptr + kv_head.to(tl.int64) * stride_kh
+    v_head = v_ptr + kv_head.to(tl.int64) * stride_vh
+    if PAGED:
+        page_ptr = kv_indices_ptr + kv_start
+    else:
+        page_ptr = kv_indices_ptr  # not read
+        if not ONE_GROUP:
+            k_head += kv_start.to(tl.int64) * stride_kt
+            v_head += kv_start.to(tl.int64) * stride_vt
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    acc, l_i, m_i = _attn_tiles(
+        acc, l_i, m_i, q, k_head, v_head, page_ptr, split_lo, full_end, row_lim,
+        page_size, stride_kp, stride_kt, stride_vp, stride_vt, qk_scale,
+        False, PAGED, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION,
+    )
+    # Chunks are whole BLOCK_N tiles, so no masked tile straddles a split boundary other
+    # than kv_len itself: row_lim (<= kv_len) is the only per-row limit needed.
+    acc, l_i, m_i = _attn_tiles(
+        acc, l_i, m_i, q, k_head, v_head, page_ptr, full_end, masked_end, row_lim,
+        page_size, stride_kp, stride_kt, stride_vp, stride_vt, qk_scale,
+        True, PAGED, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION,
+    )
+
+    # ---- normalise and store; a row that saw no key stores (0, -inf)
+    seen = l_i > 0.0
+    o = acc / tl.where(seen, l_i, 1.0)[:, None]
+    # Base change: m_i + log2(l_i) is the LSE in log2 units; times ln(2) gives natural log.
+    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * _LN2, float("-inf"))
+    tok64 = (qo_start + tok).to(tl.int64)
+    o_off = tok64 * stride_ot + split.to(tl.int64) * stride_os + head.to(tl.int64) * stride_oh
+    tl.store(o_ptr + o_off[:, None] + offs_d[None, :], o.to(o_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & d_ok[None, :])
+    lse_off = tok64 * stride_lt + split.to(tl.int64) * stride_ls + head.to(tl.int64) * stride_lh
+    tl.store(lse_ptr + lse_off, lse, mask=row_ok)
+
+
+# --------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------
+
+MAX_HEAD_DIM = 256
+_MIN_KEYS_PER_SPLIT = 256  # a split shorter than this costs more in merge traffic than it gains
+
+
+@dataclass(frozen=True, slots=True)
+class TileConfig:
+    """Tile sizes and launch options of the prefill kernel (powers of two, >= 16)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n"):
+            x = getattr(self, name)
+            if x < 16 or x & (x - 1):
+                raise ValueError(f"TileConfig.{name}: expected a power of two >= 16, got {x}")
+
+
+def _block_d(head_dim: int) -> int:
+    return max(16, next_power_of_2(head_dim))
+
+
+def default_tile_config(head_dim: int, dtype: torch.dtype) -> TileConfig:
+    """Tiles for the H100 (227 KiB shared memory, 255 registers per thread).
+
+    Shared memory per program is about ``(BLOCK_M + 2 * stages * BLOCK_N) * BLOCK_D *
+    itemsize``; the float32 accumulator ``BLOCK_M x BLOCK_D`` lives in registers. Every
+    choice below was compiled for sm_90 and has no register spills (ptxas -v): fp16/bf16
+    use ``wgmma``; float32 with ``input_precision="ieee"`` runs on FMA units, which hold
+    both operands in registers, hence its small tiles.
+    """
+    block_d = _block_d(head_dim)
+    if dtype == torch.float32:
+        if block_d <= 64:
+            return TileConfig(32, 16, 4, 2)
+        return TileConfig(32, 16, 8, 2) if block_d <= 128 else TileConfig(16, 16, 8, 2)
+    if block_d <= 128:
+        return TileConfig(128, 64, 8, 3)  # bf16 D=128: 96 KiB shared, 190 registers
+    return TileConfig(128, 32, 8, 2)  # D=256: 128 KiB shared, 241 registers
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the interpreter runs programs one after another: splitting buys nothing
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def num_m_tiles(nnz_qo: int, num_groups: int, group_size: int, block_m: int) -> int:
+    """Upper bound on the M tiles of all groups (the grid's first dimension), from shapes.
+
+    Group ``g`` starts at tile ``(qo_indptr[g] * G + g * (block_m - 1)) // block_m``; its
+    tiles never reach the next group's start, and the last group's end is at most this.
+    """
+    return (nnz_qo * group_size + num_groups * (block_m - 1)) // block_m
+
+
+def default_num_splits(num_tiles: int, num_kv_heads: int, max_kv_len: int, device: torch.device) -> int:
+    """KV splits per group, from shapes only (never from indptr contents).
+
+    Without splitting the grid has ``num_tiles * num_kv_heads`` programs. When that is
+    below the SM count, split each group's KV into as many chunks as keep the grid within
+    one wave (``sms // programs``), but no chunk shorter than ``_MIN_KEYS_PER_SPLIT`` keys
+    of the longest possible group (``max_kv_len``, an upper bound from the shapes).
+    """
+    programs = max(1, num_tiles * num_kv_heads)
+    sms = _num_sms(device)
+    if programs >= sms:
+        return 1
+    return max(1, min(sms // programs, max_kv_len // _MIN_KEYS_PER_SPLIT))
+
+
+@dataclass(frozen=True, slots=True)
+class _KVSource:
+    """K and V as the kernel sees them: base tensors plus (page, token, head) strides."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    paged: bool
+    page_size: int  # 1 for ragged KV (not read)
+    num_kv_heads: int
+    head_dim: int
+    k_strides: tuple[int, int, int]  # (page, token, head); page stride 0 for ragged
+    v_strides: tuple[int, int, int]
+    max_kv_len: int  # upper bound on one group's KV length, from shapes
+
+
+def _launch(
+    q: torch.Tensor,
+    qo_indptr: torch.Tensor | None,
+    kv: _KVSource,
+    kv_indptr: torch.Tensor | None,
+    kv_indices: torch.Tensor | None,
+    kv_last_page_len: torch.Tensor | None,
+    o_dest: torch.Tensor,
+    lse_dest: torch.Tensor,
+    *,
+    causal: bool,
+    sm_scale: float,
+    config: TileConfig,
+) -> None:
+    """Run the kernel into ``o_dest [nnz_qo, S, Hq, D]`` and ``lse_dest [nnz_qo, S, Hq]``.
+
+    ``S = o_dest.shape[1]`` is the number of KV splits; with ``S == 1`` the destinations
+    may be views of the caller's ``out``/``lse``. ``qo_indptr is None`` means one group of
+    all queries against all of ``kv`` (ragged, starting at token 0).
+    """
+    nnz_qo, num_qo_heads, head_dim = q.shape
+    group_size = num_qo_heads // kv.num_kv_heads
+    num_groups = 1 if qo_indptr is None else qo_indptr.shape[0] - 1
+    num_tiles = num_m_tiles(nnz_qo, num_groups, group_size, config.block_m)
+    num_splits = o_dest.shape[1]
+    if nnz_qo == 0 or num_tiles == 0:
+        return
+    one_group = qo_indptr is None
+    dummy = kv.k  # stands in for pointers the kernel does not read
+    grid = (num_tiles, kv.num_kv_heads, num_splits)
+    _prefill_kernel[grid](
+        q, kv.k, kv.v, o_dest, lse_dest,
+        dummy if one_group else qo_indptr,
+        dummy if one_group else kv_indptr,
+        kv_indices if kv.paged else dummy,
+        kv_last_page_len if kv.paged else dummy,
+        (num_groups - 1).bit_length(), num_groups,
+        nnz_qo, kv.k.shape[0] if one_group else 0,
+        kv.page_size,
+        q.stride(0), q.stride(1),
+        *kv.k_strides, *kv.v_strides,
+        o_dest.stride(0), o_dest.stride(1), o_dest.stride(2),
+        lse_dest.stride(0), lse_dest.stride(1), lse_dest.stride(2),
+        sm_scale * LOG2E,
+        GROUP_SIZE=group_size,
+        HEAD_DIM=head_dim,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_D=_block_d(head_dim),
+        PAGED=kv.paged,
+        CAUSAL=causal,
+        ONE_GROUP=one_group,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+
+
+def _run(
+    q: torch.Tensor,
+    qo_indptr: torch.Tensor | None,
+    kv: _KVSource,
+    kv_indptr: torch.Tensor | None,
+    kv_indices: torch.Tensor | None,
+    kv_last_page_len: torch.Tensor | None,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    causal: bool,
+    sm_scale: float,
+    num_splits: int | None = None,
+    config: TileConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick tiles and splits from shapes, launch, merge the splits into ``out``/``lse``."""
+    nnz_qo, num_qo_heads, head_dim = q.shape
+    config = config or default_tile_config(head_dim, q.dtype)
+    if num_splits is None:
+        num_groups = 1 if qo_indptr is None else qo_indptr.shape[0] - 1
+        num_tiles = num_m_tiles(nnz_qo, num_groups, num_qo_heads // kv.num_kv_heads, config.block_m)
+        num_splits = default_num_splits(num_tiles, kv.num_kv_heads, kv.max_kv_len, q.device)
+    if num_splits == 1:
+        _launch(q, qo_indptr, kv, kv_indptr, kv_indices, kv_last_page_len,
+                out.unsqueeze(1), lse.unsqueeze(1), causal=causal, sm_scale=sm_scale, config=config)
+        return out, lse
+    # One partial state per split (o in q's dtype, as merge_states takes one dtype; LSE
+    # float32). Every (row, split) is written, an empty split as the identity (0, -inf).
+    part_o = torch.empty((nnz_qo, num_splits, num_qo_heads, head_dim), dtype=q.dtype, device=q.device)
+    part_lse = torch.empty((nnz_qo, num_splits, num_qo_heads), dtype=torch.float32, device=q.device)
+    _launch(q, qo_indptr, kv, kv_indptr, kv_indices, kv_last_page_len,
+            part_o, part_lse, causal=causal, sm_scale=sm_scale, config=config)
+    merge_states(part_o, part_lse, out=out, out_lse=lse)
+    return out, lse
+
+
+# ---- argument checks shared by the three entry points
+
+
+def _check_q(q: object) -> torch.Tensor:
+    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
+    check_last_dim_contiguous("q", q)
+    if q.shape[2] > MAX_HEAD_DIM:
+        raise ValueError(f"q: head_dim {q.shape[2]} is not supported (at most {MAX_HEAD_DIM})")
+    return q
+
+
+def _check_kv_matches_q(q: torch.Tensor, kv_name: str, dtype: torch.dtype, num_kv_heads: int, head_dim: int) -> None:
+    if dtype != q.dtype:
+        raise TypeError(f"{kv_name}: expected dtype {q.dtype} (like q), got {dtype}")
+    if head_dim != q.shape[2]:
+        raise ValueError(f"{kv_name}: head_dim {head_dim} does not match q's head_dim {q.shape[2]}")
+    if q.shape[1] % num_kv_heads != 0:
+        raise ValueError(
+            f"q: num_qo_heads {q.shape[1]} is not a multiple of num_kv_heads {num_kv_heads} of {kv_name}"
+        )
+
+
+def _outputs(q: torch.Tensor, out: torch.Tensor | None, lse: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The caller's ``out``/``lse`` after checks, or fresh ones: o like q, lse float32 [nnz_qo, Hq]."""
+    nnz_qo, num_qo_heads, _ = q.shape
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    else:
+        check_tensor("out", out, ndim=3, dtypes=(q.dtype,), device=q.device, shape=tuple(q.shape))
+        check_last_dim_contiguous("out", out)
+    if lse is None:
+        lse = torch.empty((nnz_qo, num_qo_heads), dtype=torch.float32, device=q.device)
+    else:
+        check_tensor("lse", lse, ndim=2, dtypes=(torch.float32,), device=q.device, shape=(nnz_qo, num_qo_heads))
+    return out, lse
+
+
+def _check_qo_indptr(qo_indptr: object, device: torch.device) -> None:
+    check_int32_vector("qo_indptr", qo_indptr, device)
+    if qo_indptr.shape[0] < 1:
+        raise ValueError("qo_indptr: expected [num_groups + 1] entries, got none")
+
+
+def _check_flag(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
+    return value
+
+
+def _store(out: torch.Tensor, lse: torch.Tensor, o64: torch.Tensor, lse64: torch.Tensor):
+    """The plain-CPU path: the float64 reference, cast into the caller's buffers."""
+    out.copy_(o64)
+    lse.copy_(lse64)
+    return out, lse
+
+
+# ---- public entry points
+
+
+def batch_prefill_paged(
+    q: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    paged_kv_cache: PagedKVCache,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_last_page_len: torch.Tensor,
+    *,
+    causal: bool = False,
+    kv_layout: str = "NHD",
+    sm_scale: float | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    validate: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ragged query groups over their pages of a paged KV cache.
+
+    Args:
+        q: ``[nnz_qo, num_qo_heads, head_dim]`` fp16 / bf16 / fp32, last dim stride 1
+            (other strides honoured).
+        qo_indptr: int32 ``[num_groups + 1]``; group ``g`` owns queries
+            ``q[qo_indptr[g]:qo_indptr[g + 1]]`` (starts at 0, ends at ``nnz_qo``).
+        paged_kv_cache: NHD ``[num_pages, 2, page_size, Hkv, D]`` or HND
+            ``[num_pages, 2, Hkv, page_size, D]``, or a ``(k, v)`` tuple of the per-tensor
+            form; q's dtype; any positive page_size.
+        kv_indptr: int32 ``[num_groups + 1]``; group ``g`` owns the pages
+            ``kv_indices[kv_indptr[g]:kv_indptr[g + 1]]``.
+        kv_indices: int32 ``[>= kv_indptr[-1]]`` page ids.
+        kv_last_page_len: int32 ``[num_groups]``, in ``1..page_size`` for groups with pages;
+            a group's KV length is ``(pages - 1) * page_size + last_page_len`` (0 without pages).
+        causal: query ``j`` of a group of ``n`` queries and ``L`` keys sees keys
+            ``<= L - n + j`` (the last query is aligned with the last key).
+        kv_layout: ``"NHD"`` or ``"HND"``.
+        sm_scale: softmax scale, default ``head_dim ** -0.5``.
+        out: optional output buffer like ``q`` (shape, dtype; last dim stride 1).
+        lse: optional float32 ``[nnz_qo, num_qo_heads]`` buffer.
+        validate: read the index tensors on the host to check their contents (skipped
+            while a CUDA graph is being captured). Pass False once they are known good.
+
+    Returns:
+        ``(o, lse)``: ``o`` like ``q``; ``lse`` float32 ``[nnz_qo, num_qo_heads]``, NATURAL
+        log. A query that sees no key (a group without pages, a causal row before the
+        first key) gets ``o = 0, lse = -inf``.
+
+    ``num_qo_heads`` must be a multiple of ``num_kv_heads``. No host reads on the launch
+    path (with ``validate=False``), so the call can be captured in a CUDA graph.
+    """
+    _check_q(q)
+    _check_flag("causal", causal)
+    kv = unpack_paged_kv_cache(paged_kv_cache, kv_layout)
+    device = same_device(("q", q), ("paged_kv_cache", kv.k))
+    _check_qo_indptr(qo_indptr, device)
+    check_tensor("kv_indptr", kv_indptr, device=device, shape=(qo_indptr.shape[0],))
+    _check_kv_matches_q(q, "paged_kv_cache", kv.dtype, kv.num_kv_heads, kv.head_dim)
+    scale = default_sm_scale(q.shape[2], sm_scale)
+    out, lse = _outputs(q, out, lse)
+    contents = validate and not capturing()
+    validate_page_table(kv_indptr, kv_indices, kv_last_page_len, kv.page_size, kv.num_pages, contents=contents)
+    if contents:
+        validate_indptr("qo_indptr", qo_indptr, total=q.shape[0])
+    if not use_triton(device):
+        o64, lse64 = batch_prefill_paged_ref(
+            q, qo_indptr, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len,
+            causal=causal, kv_layout=kv_layout, sm_scale=scale,
+        )
+        return _store(out, lse, o64, lse64)
+    source = _KVSource(
+        k=kv.k, v=kv.v, paged=True, page_size=kv.page_size, num_kv_heads=kv.num_kv_heads,
+        head_dim=kv.head_dim,
+        k_strides=(kv.stride_page, kv.stride_token, kv.stride_head),
+        v_strides=(kv.stride_page, kv.stride_token, kv.stride_head),
+        max_kv_len=kv_indices.shape[0] * kv.page_size,
+    )
+    return _run(q, qo_indptr, source, kv_indptr, kv_indices, kv_last_page_len, out, lse,
+                causal=causal, sm_scale=scale)
+
+
+def _ragged_source(q: torch.Tensor, k: object, v: object) -> _KVSource:
+    check_tensor("k", k, ndim=3, dtypes=FLOAT_DTYPES, device=q.device)
+    check_tensor("v", v, ndim=3, dtypes=(k.dtype,), device=q.device, shape=tuple(k.shape))
+    check_last_dim_contiguous("k", k)
+    check_last_dim_contiguous("v", v)
+    _check_kv_matches_q(q, "k", k.dtype, k.shape[1], k.shape[2])
+    return _KVSource(
+        k=k, v=v, paged=False, page_size=1, num_kv_heads=k.shape[1], head_dim=k.shape[2],
+        k_strides=(0, k.stride(0), k.stride(1)), v_strides=(0, v.stride(0), v.stride(1)),
+        max_kv_len=k.shape[0],
+    )
+
+
+def batch_prefill_ragged(
+    q: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    *,
+    causal: bool = False,
+    sm_scale: float | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    validate: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ragged query groups over ragged contiguous K/V (prefill of new prompts).
+
+    Args:
+        q: ``[nnz_qo, num_qo_heads, head_dim]`` fp16 / bf16 / fp32, last dim stride 1.
+        qo_indptr: int32 ``[num_groups + 1]`` (starts at 0, ends at ``nnz_qo``).
+        k, v: ``[nnz_kv, num_kv_heads, head_dim]``, q's dtype, last dim stride 1 (other
+            strides honoured, and may differ between k and v).
+        kv_indptr: int32 ``[num_groups + 1]``; group ``g`` owns keys
+            ``k[kv_indptr[g]:kv_indptr[g + 1]]`` (starts at 0, ends at most at ``nnz_kv``).
+        causal, sm_scale, out, lse, validate: as in :func:`batch_prefill_paged`.
+
+    Returns:
+        ``(o, lse)``: ``o`` like ``q``; ``lse`` float32 ``[nnz_qo, num_qo_heads]``, natural
+        log; ``(0, -inf)`` for a query that sees no key.
+    """
+    _check_q(q)
+    _check_flag("causal", causal)
+    source = _ragged_source(q, k, v)
+    _check_qo_indptr(qo_indptr, q.device)
+    check_int32_vector("kv_indptr", kv_indptr, q.device, length=qo_indptr.shape[0])
+    scale = default_sm_scale(q.shape[2], sm_scale)
+    out, lse = _outputs(q, out, lse)
+    if validate and not capturing():
+        validate_indptr("qo_indptr", qo_indptr, total=q.shape[0])
+        validate_indptr("kv_indptr", kv_indptr)
+        if kv_indptr[-1].item() > k.shape[0]:
+            raise ValueError(f"kv_indptr: last entry {kv_indptr[-1].item()} exceeds nnz_kv = {k.shape[0]} keys in k")
+    if not use_triton(q.device):
+        o64, lse64 = batch_prefill_ragged_ref(q, qo_indptr, k, v, kv_indptr, causal=causal, sm_scale=scale)
+        return _store(out, lse, o64, lse64)
+    return _run(q, qo_indptr, source, kv_indptr, None, None, out, lse, causal=causal, sm_scale=scale)
+
+
+def shared_prefix_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    sm_scale: float | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every query attends to all of one contiguous prefix (non-causal).
+
+    Args:
+        q: ``[n, num_qo_heads, head_dim]`` fp16 / bf16 / fp32, last dim stride 1.
+        k, v: ``[L, num_kv_heads, head_dim]``, q's dtype, last dim stride 1 (other strides
+            honoured). ``L = 0`` gives ``(0, -inf)`` everywhere.
+        sm_scale, out, lse: as in :func:`batch_prefill_paged`.
+
+    Returns:
+        ``(o, lse)``: ``o`` like ``q``; ``lse`` float32 ``[n, num_qo_heads]``, natural log.
+
+    Reads no index tensor at all: the KV split count and the grid come from the shapes.
+    """
+    _check_q(q)
+    source = _ragged_source(q, k, v)
+    scale = default_sm_scale(q.shape[2], sm_scale)
+    out, lse = _outputs(q, out, lse)
+    if not use_triton(q.device):
+        o64, lse64 = attention_state_ref(q, k, v, sm_scale=scale)
+        return _store(out, lse, o64, lse64)
+    return _run(q, None, source, None, None, None, out, lse, causal=False, sm_scale=scale)
+
+
+# --------------------------------------------------------------------------------------
+# Float64 references (host loops over groups; readable, never fast)
+# --------------------------------------------------------------------------------------
+
+
+def batch_prefill_paged_ref(
+    q: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    paged_kv_cache: PagedKVCache,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_last_page_len: torch.Tensor,
+    *,
+    causal: bool = False,
+    kv_layout: str = "NHD",
+    sm_scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float64 ``(o [nnz_qo, Hq, D], lse [nnz_qo, Hq])`` of :func:`batch_prefill_paged`."""
+    kv = unpack_paged_kv_cache(paged_kv_cache, kv_layout)
+    o = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
+    lse = torch.full(q.shape[:2], -math.inf, dtype=torch.float64, device=q.device)
+    bounds = qo_indptr.tolist()
+    for g in range(len(bounds) - 1):
+        a, b = bounds[g], bounds[g + 1]
+        if b > a:
+            k, v = gather_paged_kv(kv, kv_indptr, kv_indices, kv_last_page_len, g)
+            o[a:b], lse[a:b] = attention_state_ref(q[a:b], k, v, sm_scale=sm_scale, causal=causal)
+    return o, lse
+
+
+def batch_prefill_ragged_ref(
+    q: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    *,
+    causal: bool = False,
+    sm_scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float64 ``(o [nnz_qo, Hq, D], lse [nnz_qo, Hq])`` of :func:`batch_prefill_ragged`."""
+    o = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
+    lse = torch.full(q.shape[:2], -math.inf, dtype=torch.float64, device=q.device)
+    qb, kb = qo_indptr.tolist(), kv_indptr.tolist()
+    for g in range(len(qb) - 1):
+        a, b = qb[g], qb[g + 1]
+        if b > a:
+            ka, kz = kb[g], kb[g + 1]
+            o[a:b], lse[a:b] = attention_state_ref(q[a:b], k[ka:kz], v[ka:kz], sm_scale=sm_scale, causal=causal)
+    return o, lse
