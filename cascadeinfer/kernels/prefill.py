@@ -141,17 +141,17 @@ def _attn_tiles(
         k = _load_tile(k_ptr + k_off[:, None] + offs_d[None, :], t_ok, offs_d, MASKED, HEAD_DIM, BLOCK_D)
         v = _load_tile(v_ptr + v_off[:, None] + offs_d[None, :], t_ok, offs_d, MASKED, HEAD_DIM, BLOCK_D)
 
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N], unscaled
         if MASKED:
             s = tl.where(t[None, :] < row_hi[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # log2 units (qk_scale > 0 keeps the max)
         if MASKED:
             # A row that has seen no key yet keeps m = -inf; subtract 0 there so that
             # exp2(-inf - 0) = 0 instead of exp2(-inf - -inf) = NaN.
             m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
             m_sub = m_new  # every row sees every key of an unmasked tile: m_new is finite
-        p = tl.math.exp2(s - m_sub[:, None])
+        p = tl.math.exp2(s * qk_scale - m_sub[:, None])  # one FMA per score
         alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
