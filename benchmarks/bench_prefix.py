@@ -40,13 +40,12 @@ from benchmarks._common import (
     roofline_floor,
     write_json,
 )
+from benchmarks.bench_decode import DTYPE, HKV, HQ, PAGE, D, new_pool, page_table  # one shape, one pool layout
 from cascadeinfer.kernels import prefill as P
 from cascadeinfer.kernels.prefill import batch_prefill_paged
 from cascadeinfer.kernels.reference import attention_state_ref
 from cascadeinfer.layouts.paged_cache import gather_paged_kv, unpack_paged_kv_cache
 
-HQ, HKV, D, PAGE = 32, 8, 128, 16
-DTYPE = torch.bfloat16
 PREFIXES = (1024, 4096, 8192, 16384, 32768, 65536)
 QUERIES = (64, 128, 256, 512)
 QUICK_SHAPES = ((128, 8192), (256, 8192), (512, 32768), (128, 65536))
@@ -76,21 +75,6 @@ def flops(n: int, length: int) -> int:
     return 4 * n * length * HQ * D
 
 
-def prefix_table(length: int, num_pages: int, device, seed: int = 0):
-    """One group whose pages are a random permutation of the pool."""
-    g = torch.Generator().manual_seed(seed)
-    pages = -(-length // PAGE)
-    indices = torch.randperm(num_pages, generator=g)[:pages].to(device, torch.int32)
-    indptr = torch.tensor([0, pages], dtype=torch.int32, device=device)
-    last = torch.tensor([length - (pages - 1) * PAGE], dtype=torch.int32, device=device)
-    return indptr, indices, last
-
-
-def new_pool(num_pages: int, device, layout: str = "NHD") -> torch.Tensor:
-    shape = (num_pages, 2, PAGE, HKV, D) if layout == "NHD" else (num_pages, 2, HKV, PAGE, D)
-    return torch.empty(shape, dtype=DTYPE, device=device).normal_()
-
-
 def fi_wrapper(fi, qo_indptr, indptr, indices, last, causal=False):
     workspace = torch.zeros(256 * 2**20, dtype=torch.uint8, device=indptr.device)
     w = fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="fa2")
@@ -111,7 +95,7 @@ def check_correctness(fi) -> None:
         for n, length in ((1, 1), (64, 1000), (128, 4097), (300, 20011)):
             pages = -(-length // PAGE)
             pool = new_pool(pages + 7, dev, layout)
-            indptr, indices, last = prefix_table(length, pages + 7, dev, seed=length)
+            indptr, indices, last = page_table(1, [length], pages + 7, dev, seed=length)
             q = torch.randn(n, HQ, D, device=dev, dtype=DTYPE)
             qo = torch.tensor([0, n], dtype=torch.int32, device=dev)
             kv = unpack_paged_kv_cache(pool, layout)
@@ -133,13 +117,7 @@ def check_correctness(fi) -> None:
     lens_q, lens_kv = [7, 0, 300, 1, 64], [7, 100, 2000, 0, 40]
     num_pages = sum(-(-x // PAGE) for x in lens_kv) + 5
     pool = new_pool(num_pages, dev)
-    g = torch.Generator().manual_seed(3)
-    perm = torch.randperm(num_pages, generator=g).tolist()
-    npages = [-(-x // PAGE) for x in lens_kv]
-    indices = torch.tensor(perm[:sum(npages)], dtype=torch.int32, device=dev)
-    indptr = torch.tensor([0, *torch.tensor(npages).cumsum(0).tolist()], dtype=torch.int32, device=dev)
-    last = torch.tensor([x - (p - 1) * PAGE if p else 0 for x, p in zip(lens_kv, npages)], dtype=torch.int32,
-                        device=dev)
+    indptr, indices, last = page_table(len(lens_kv), lens_kv, num_pages, dev, seed=3)
     qo = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32, device=dev)
     q = torch.randn(sum(lens_q), HQ, D, device=dev, dtype=DTYPE)
     o, s = batch_prefill_paged(q, qo, pool, indptr, indices, last, causal=True)
@@ -152,7 +130,7 @@ def check_correctness(fi) -> None:
     if fi is not None:
         length, n = 20011, 128
         pool = new_pool(-(-length // PAGE) + 3, dev)
-        indptr, indices, last = prefix_table(length, pool.shape[0], dev)
+        indptr, indices, last = page_table(1, [length], pool.shape[0], dev)
         q = torch.randn(n, HQ, D, device=dev, dtype=DTYPE)
         qo = torch.tensor([0, n], dtype=torch.int32, device=dev)
         o_fi, s_fi = fi_wrapper(fi, qo, indptr, indices, last).run(q, pool, return_lse=True)
@@ -192,7 +170,7 @@ class Shape:
         self.n, self.length = n, length
         self.rot = rotation_count(kv_bytes(length))
         self.num_pages = -(-length // PAGE)
-        self.indptr, self.indices, self.last = prefix_table(length, self.num_pages, dev, seed=n + length)
+        self.indptr, self.indices, self.last = page_table(1, [length], self.num_pages, dev, seed=n + length)
         self.qo = torch.tensor([0, n], dtype=torch.int32, device=dev)
         self.pools = [new_pool(self.num_pages, dev) for _ in range(self.rot)]
         self.qs = [torch.randn(n, HQ, D, device=dev, dtype=DTYPE) for _ in range(self.rot)]
