@@ -426,6 +426,21 @@ def test_ragged_and_prefix_bad_inputs(device):
         shared_prefix_attention(q, k, k, lse=torch.empty(4, 3, device=device))
 
 
+@pytest.mark.parametrize("num_groups", [0, 2])
+def test_empty_batch(device, num_groups):
+    """No queries at all (no groups, or only empty ones): empty outputs, nothing launched."""
+    args = _paged_args(device)
+    q = args["q"][:0]
+    qo = torch.zeros(num_groups + 1, dtype=i32, device=device)
+    table = PageTable.from_page_lists([[0]] * num_groups, [3] * num_groups, 16, device=device)
+    o, s = batch_prefill_paged(q, qo, args["paged_kv_cache"], table.kv_indptr, table.kv_indices,
+                               table.kv_last_page_len)
+    assert o.shape == (0, 4, 64) and s.shape == (0, 4)
+    k = torch.randn(5, 2, 64, dtype=q.dtype, device=device)
+    o, s = batch_prefill_ragged(q, qo, k, k, torch.zeros(num_groups + 1, dtype=i32, device=device), causal=True)
+    assert o.shape == (0, 4, 64) and s.shape == (0, 4)
+
+
 def test_validate_false_skips_content_checks(device):
     """validate=False reads nothing on the host: bad contents are the caller's promise."""
     args = _paged_args(device)

@@ -399,6 +399,12 @@ class _KVSource:
     max_kv_len: int  # upper bound on one group's KV length, from shapes
 
 
+def _grid_tiles(q: torch.Tensor, qo_indptr: torch.Tensor | None, kv: _KVSource, config: TileConfig) -> tuple[int, int]:
+    """``(num_groups, M tiles of the grid)``; ``qo_indptr is None`` is one group."""
+    num_groups = 1 if qo_indptr is None else qo_indptr.shape[0] - 1
+    return num_groups, num_m_tiles(q.shape[0], num_groups, q.shape[1] // kv.num_kv_heads, config.block_m)
+
+
 def _launch(
     q: torch.Tensor,
     qo_indptr: torch.Tensor | None,
@@ -420,11 +426,9 @@ def _launch(
     all queries against all of ``kv`` (ragged, starting at token 0).
     """
     nnz_qo, num_qo_heads, head_dim = q.shape
-    group_size = num_qo_heads // kv.num_kv_heads
-    num_groups = 1 if qo_indptr is None else qo_indptr.shape[0] - 1
-    num_tiles = num_m_tiles(nnz_qo, num_groups, group_size, config.block_m)
+    num_groups, num_tiles = _grid_tiles(q, qo_indptr, kv, config)
     num_splits = o_dest.shape[1]
-    if nnz_qo == 0 or num_tiles == 0:
+    if nnz_qo == 0 or num_groups == 0 or num_tiles == 0:
         return
     one_group = qo_indptr is None
     dummy = kv.k  # stands in for pointers the kernel does not read
@@ -443,7 +447,7 @@ def _launch(
         o_dest.stride(0), o_dest.stride(1), o_dest.stride(2),
         lse_dest.stride(0), lse_dest.stride(1), lse_dest.stride(2),
         sm_scale * LOG2E,
-        GROUP_SIZE=group_size,
+        GROUP_SIZE=num_qo_heads // kv.num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
@@ -476,9 +480,8 @@ def _run(
     nnz_qo, num_qo_heads, head_dim = q.shape
     config = config or default_tile_config(head_dim, q.dtype)
     if num_splits is None:
-        num_groups = 1 if qo_indptr is None else qo_indptr.shape[0] - 1
-        num_tiles = num_m_tiles(nnz_qo, num_groups, num_qo_heads // kv.num_kv_heads, config.block_m)
-        num_splits = default_num_splits(num_tiles, kv.num_kv_heads, kv.max_kv_len, q.device)
+        num_splits = default_num_splits(_grid_tiles(q, qo_indptr, kv, config)[1], kv.num_kv_heads, kv.max_kv_len,
+                                        q.device)
     if num_splits == 1:
         _launch(q, qo_indptr, kv, kv_indptr, kv_indices, kv_last_page_len,
                 out.unsqueeze(1), lse.unsqueeze(1), causal=causal, sm_scale=sm_scale, config=config)
