@@ -26,9 +26,10 @@ from cascadeinfer.layouts.paged_cache import gather_paged_kv, unpack_paged_kv_ca
 
 i32 = torch.int32
 SMALL = P.TileConfig(16, 16, 4, 1)  # many tiles from few tokens (GPU-valid: dot dims >= 16)
-# (o atol/rtol, lse atol) per dtype: bf16/fp16 round p before the PV dot and o at the
-# store; float32 dots use input_precision="ieee" on the GPU.
-TOL = {torch.bfloat16: (2e-2, 2e-3), torch.float16: (3e-3, 2e-3), torch.float32: (2e-5, 2e-5)}
+# (o atol/rtol, lse atol/rtol, o error norm / reference norm) per dtype: bf16/fp16 round
+# p before the PV dot and o at the store; float32 dots use input_precision="ieee" on the
+# GPU. The norm check keeps long prefixes honest, where o is small and atol alone is loose.
+TOL = {torch.bfloat16: (2e-2, 2e-3, 1e-2), torch.float16: (3e-3, 2e-3, 2e-3), torch.float32: (2e-5, 2e-5, 1e-5)}
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -70,8 +71,11 @@ def check_state(o, lse, ref_o, ref_lse, dtype):
     assert torch.equal(torch.isinf(lse), empty), "rows that see no key must have lse = -inf, and only those"
     assert (lse[empty] < 0).all()
     assert (o[empty] == 0).all(), "rows that see no key must have o = 0"
-    o_tol, lse_tol = TOL[dtype]
+    o_tol, lse_tol, norm_tol = TOL[dtype]
     torch.testing.assert_close(o.double(), ref_o, atol=o_tol, rtol=o_tol)
+    if ref_o.norm() > 0:
+        rel = ((o.double() - ref_o).norm() / ref_o.norm()).item()
+        assert rel <= norm_tol, f"relative error norm {rel:.2e} > {norm_tol:.0e}"
     torch.testing.assert_close(lse.double()[~empty], ref_lse[~empty], atol=lse_tol, rtol=lse_tol)
 
 
@@ -187,7 +191,7 @@ def test_paged_strided_q_and_out(device):
     check_state(out, lse, *ref, torch.float16)
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(
     qo_lens=st.lists(st.integers(0, 9), min_size=1, max_size=4),
     kv_extra=st.lists(st.integers(0, 40), min_size=4, max_size=4),
@@ -210,7 +214,7 @@ def test_paged_random(qo_lens, kv_extra, page_size, hkv, group, head_dim, dtype,
               num_splits=2 if small else None, config=SMALL if small else None)
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(
     prefix=st.integers(0, 60),
     suffixes=st.lists(st.integers(1, 20), min_size=1, max_size=3),
@@ -285,7 +289,7 @@ def test_ragged_matches_reference(device, qo_lens, kv_lens, hkv, group, head_dim
                causal=causal, strided_kv=strided)
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(
     qo_lens=st.lists(st.integers(0, 8), min_size=1, max_size=3),
     kv_lens=st.lists(st.integers(0, 40), min_size=3, max_size=3),
