@@ -1,0 +1,173 @@
+"""Host-side planning of a multi-level cascade: validate the levels once, decide between
+cascade and flat decode, and lay the metadata out on the device for sync-free runs.
+
+A level is a batch of groups: the queries ``q[qo_indptr[g]:qo_indptr[g+1]]`` of group
+``g`` attend to the pages of row ``g`` of the level's CSR page table. Every level
+partitions the same query tokens, and each group of a lower level lies inside one group
+of every level above it (a tree: system prompt → few-shot block → request suffix).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from cascadeinfer.cascade.cost import DeviceModel, LevelShape, predict_seconds
+
+
+@dataclass(frozen=True, slots=True)
+class HostLevel:
+    """One level's metadata on the host (int64 CPU tensors), validated."""
+
+    qo_indptr: torch.Tensor  # [groups + 1]
+    kv_indptr: torch.Tensor  # [groups + 1]
+    kv_indices: torch.Tensor  # [kv_indptr[-1]]
+    kv_last_page_len: torch.Tensor  # [groups]
+
+    @property
+    def num_groups(self) -> int:
+        return self.qo_indptr.numel() - 1
+
+    def kv_lens(self, page_size: int) -> torch.Tensor:
+        pages = self.kv_indptr[1:] - self.kv_indptr[:-1]
+        return torch.where(pages > 0, (pages - 1) * page_size + self.kv_last_page_len, 0)
+
+
+def _to_host(name: str, t: object) -> torch.Tensor:
+    if isinstance(t, torch.Tensor):
+        if t.dtype not in (torch.int32, torch.int64) or t.dim() != 1:
+            raise TypeError(f"{name}: expected a 1-D int32 tensor, got {t.dtype} of shape {list(t.shape)}")
+        return t.detach().to("cpu", torch.int64)
+    try:
+        return torch.as_tensor(list(t), dtype=torch.int64)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"{name}: expected a 1-D int32 tensor or a sequence of ints") from exc
+
+
+def _check_indptr(name: str, indptr: torch.Tensor) -> None:
+    if indptr.numel() < 1 or int(indptr[0]) != 0:
+        raise ValueError(f"{name}: must start at 0, got {indptr[:4].tolist()}")
+    if bool((indptr[1:] < indptr[:-1]).any()):
+        i = int(torch.nonzero(indptr[1:] < indptr[:-1])[0])
+        raise ValueError(f"{name}: must be non-decreasing, but [{i}]={int(indptr[i])} > [{i + 1}]={int(indptr[i + 1])}")
+
+
+def host_levels(
+    qo_indptr_arr: Sequence,
+    kv_indptr_arr: Sequence,
+    kv_indices_arr: Sequence,
+    kv_last_page_len_arr: Sequence,
+    num_levels: int,
+    page_size: int,
+    num_pages: int | None,
+) -> list[HostLevel]:
+    """Validate every level's metadata on the host; raise naming the argument and level."""
+    for name, arr in (("qo_indptr_arr", qo_indptr_arr), ("kv_indptr_arr", kv_indptr_arr),
+                      ("kv_indices_arr", kv_indices_arr), ("kv_last_page_len_arr", kv_last_page_len_arr)):
+        if not isinstance(arr, (list, tuple)) or len(arr) != num_levels:
+            got = len(arr) if isinstance(arr, (list, tuple)) else type(arr).__name__
+            raise ValueError(f"{name}: expected a list of {num_levels} tensors (one per level), got {got}")
+    levels = []
+    for lv in range(num_levels):
+        qo = _to_host(f"qo_indptr_arr[{lv}]", qo_indptr_arr[lv])
+        kp = _to_host(f"kv_indptr_arr[{lv}]", kv_indptr_arr[lv])
+        ki = _to_host(f"kv_indices_arr[{lv}]", kv_indices_arr[lv])
+        kl = _to_host(f"kv_last_page_len_arr[{lv}]", kv_last_page_len_arr[lv])
+        _check_indptr(f"qo_indptr_arr[{lv}]", qo)
+        _check_indptr(f"kv_indptr_arr[{lv}]", kp)
+        groups = qo.numel() - 1
+        if kp.numel() != groups + 1 or kl.numel() != groups:
+            raise ValueError(
+                f"kv_indptr_arr[{lv}] / kv_last_page_len_arr[{lv}]: level {lv} has {groups} query groups, "
+                f"so expected {groups + 1} and {groups} entries, got {kp.numel()} and {kl.numel()}"
+            )
+        if ki.numel() != int(kp[-1]):
+            raise ValueError(f"kv_indices_arr[{lv}]: expected kv_indptr[-1] = {int(kp[-1])} entries, got {ki.numel()}")
+        if ki.numel() and (int(ki.min()) < 0 or (num_pages is not None and int(ki.max()) >= num_pages)):
+            bad = int(ki.min()) if int(ki.min()) < 0 else int(ki.max())
+            raise ValueError(f"kv_indices_arr[{lv}]: page {bad} is outside the pool of {num_pages} pages")
+        nonempty = kp[1:] > kp[:-1]
+        if bool(((kl < 1) | (kl > page_size))[nonempty].any()):
+            raise ValueError(f"kv_last_page_len_arr[{lv}]: non-empty rows need a last-page length in [1, {page_size}]")
+        if lv and int(qo[-1]) != int(levels[0].qo_indptr[-1]):
+            raise ValueError(
+                f"qo_indptr_arr[{lv}]: every level must cover the same {int(levels[0].qo_indptr[-1])} query tokens, "
+                f"got {int(qo[-1])}"
+            )
+        levels.append(HostLevel(qo, kp, ki, kl))
+    for lv in range(1, num_levels):
+        parent_of(levels[lv - 1], levels[lv], lv)
+    return levels
+
+
+def parent_of(upper: HostLevel, lower: HostLevel, lv: int) -> torch.Tensor:
+    """Index of the group of ``upper`` holding each group of ``lower`` (nesting check)."""
+    starts, ends = lower.qo_indptr[:-1], lower.qo_indptr[1:]
+    parent = torch.searchsorted(upper.qo_indptr, starts, right=True) - 1
+    parent = parent.clamp(0, upper.num_groups - 1)
+    inside = (ends <= upper.qo_indptr[parent + 1]) | (ends == starts)
+    if not bool(inside.all()):
+        g = int(torch.nonzero(~inside)[0])
+        raise ValueError(
+            f"qo_indptr_arr[{lv}]: group {g} (queries {int(starts[g])}..{int(ends[g])}) straddles two groups of level {lv - 1}; "
+            "each group must lie inside one group of every level above it"
+        )
+    return parent
+
+
+def level_shapes(levels: list[HostLevel], page_size: int) -> list[LevelShape]:
+    shapes = []
+    for lv in levels:
+        q_per_group = lv.qo_indptr[1:] - lv.qo_indptr[:-1]
+        keys = lv.kv_lens(page_size)
+        shapes.append(LevelShape(
+            num_queries=int(lv.qo_indptr[-1]),
+            unique_keys=int(keys[q_per_group > 0].sum()),
+            query_key_pairs=int((q_per_group * keys).sum()),
+        ))
+    return shapes
+
+
+def flat_page_table(levels: list[HostLevel], page_size: int) -> HostLevel | None:
+    """Each last-level group's full page list (all levels concatenated), or None when some
+    level above the last ends on a partly filled page (its keys then cannot be followed
+    by the next level's pages in one table)."""
+    last = levels[-1]
+    ancestors = [torch.arange(last.num_groups)]
+    for lv in range(len(levels) - 1, 0, -1):
+        ancestors.append(parent_of(levels[lv - 1], levels[lv], lv)[ancestors[-1]])
+    ancestors.reverse()  # ancestors[l][g]: the group of level l above last-level group g
+    rows, last_lens = [], []
+    for g in range(last.num_groups):
+        pages, last_len = [], 0
+        for lv, level in enumerate(levels):
+            a = int(ancestors[lv][g])
+            s, e = int(level.kv_indptr[a]), int(level.kv_indptr[a + 1])
+            if e == s:
+                continue
+            if pages and last_len != page_size:
+                return None
+            pages.extend(level.kv_indices[s:e].tolist())
+            last_len = int(level.kv_last_page_len[a])
+        rows.append(pages)
+        last_lens.append(last_len)
+    indptr = torch.zeros(len(rows) + 1, dtype=torch.int64)
+    indptr[1:] = torch.tensor([len(r) for r in rows], dtype=torch.int64).cumsum(0)
+    indices = torch.tensor([p for r in rows for p in r], dtype=torch.int64)
+    return HostLevel(last.qo_indptr, indptr, indices, torch.tensor(last_lens, dtype=torch.int64))
+
+
+def choose_cascade(
+    levels: list[HostLevel], flat: HostLevel | None, *, page_size: int, num_qo_heads: int,
+    num_kv_heads: int, head_dim: int, elem_bytes: int, device: torch.device | None,
+) -> tuple[bool, float, float]:
+    """(use cascade?, predicted cascade seconds, predicted flat seconds)."""
+    t_cascade, t_flat = predict_seconds(
+        level_shapes(levels, page_size), num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, elem_bytes=elem_bytes, model=DeviceModel.for_device(device),
+    )
+    if flat is None:
+        return True, t_cascade, t_flat
+    return t_cascade < t_flat, t_cascade, t_flat
