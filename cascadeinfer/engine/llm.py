@@ -1,0 +1,368 @@
+"""The user-facing engine: ``LLM(model_dir).generate(prompts, SamplingParams(...))``.
+
+``LLM`` owns the model, the paged KV pool, the prefix cache, the scheduler and the model
+runner, and runs the loop: schedule a step, run it, sample, update. Requests can also be
+fed one at a time (:meth:`LLM.add_request`, :meth:`LLM.step`) for continuous batching with
+new arrivals between steps; :meth:`LLM.stream` yields partial outputs as they grow.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator, Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from cascadeinfer.engine.config import EngineConfig
+from cascadeinfer.engine.llama import LlamaForCausalLM
+from cascadeinfer.engine.model_loader import ModelConfig, load_tokenizer, parse_dtype
+from cascadeinfer.engine.model_runner import ModelRunner, StepStats
+from cascadeinfer.engine.prefix_cache import PrefixCache
+from cascadeinfer.engine.sampling import SamplingParams, make_generator, sample, sample_seed
+from cascadeinfer.engine.scheduler import Scheduler
+from cascadeinfer.engine.sequence import Sequence
+from cascadeinfer.layouts.pool import PagedKVPool
+
+Prompt = str | Seq[int]
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One sample: its generated tokens (a stop token included), text, and why it ended."""
+
+    index: int
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str | None  # None while running, else "stop" or "length"
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+
+
+@dataclass(slots=True)
+class _Request:
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    stop_ids: frozenset[int]
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class LLM:
+    """A Llama-family model served from a local Hugging Face directory.
+
+    Args:
+        model_dir: directory with ``config.json``, ``*.safetensors`` and optionally
+            ``tokenizer.json`` (never downloaded).
+        dtype: ``"auto"`` (the checkpoint's dtype on GPU, float32 on CPU) or a float dtype
+            name / ``torch.dtype``.
+        device: default CUDA when available, else CPU.
+        tokenizer: load ``tokenizer.json`` when present (False: token ids only).
+        **engine: the fields of :class:`~cascadeinfer.engine.config.EngineConfig` other than
+            device and dtype (``max_model_len`` defaults to the model's context length).
+
+    Text prompts need the tokenizer; token-id prompts always work. Outputs carry the
+    generated token ids and, with a tokenizer, their text.
+    """
+
+    def __init__(self, model_dir: str | os.PathLike, *, dtype: str | torch.dtype = "auto",
+                 device: str | torch.device | None = None, tokenizer: bool = True, **engine) -> None:
+        config = ModelConfig.from_dir(model_dir)
+        self._setup(config, dtype, device, engine)
+        self.model.load_checkpoint(model_dir)
+        self.tokenizer = load_tokenizer(model_dir) if tokenizer else None
+        self._build_engine()
+
+    @classmethod
+    def from_config(cls, config: ModelConfig, *, dtype: str | torch.dtype = "auto",
+                    device: str | torch.device | None = None, seed: int = 0, std: float = 0.02,
+                    **engine) -> LLM:
+        """An engine over a model of ``config``'s shapes with random weights (benchmarks)."""
+        self = cls.__new__(cls)
+        self._setup(config, dtype, device, engine)
+        self.model.init_random_(seed, std)
+        self.tokenizer = None
+        self._build_engine()
+        return self
+
+    # ---- construction ------------------------------------------------------------------
+
+    def _setup(self, config: ModelConfig, dtype, device, engine: dict) -> None:
+        device = torch.device(device) if device is not None else _default_device()
+        if dtype == "auto":
+            dtype = (config.torch_dtype or torch.bfloat16) if device.type == "cuda" else torch.float32
+        dtype = parse_dtype(dtype)
+        max_len = engine.pop("max_model_len", None) or config.context_length
+        if max_len > config.context_length:
+            raise ValueError(f"max_model_len: {max_len} exceeds the model's context length {config.context_length}")
+        unknown = set(engine) - set(EngineConfig.__dataclass_fields__)
+        if unknown:
+            raise TypeError(f"LLM: unexpected keyword arguments {sorted(unknown)}")
+        self.config = EngineConfig(device=device, dtype=dtype, max_model_len=max_len, **engine)
+        self.model_config = config
+        self.model = LlamaForCausalLM(config, dtype=dtype, device=device, max_positions=max_len)
+
+    def _build_engine(self) -> None:
+        cfg, mc = self.config, self.model_config
+        self.pool = PagedKVPool(mc.num_layers, self._num_pages(), cfg.page_size, mc.num_kv_heads, mc.head_dim,
+                                dtype=cfg.dtype, device=cfg.device, kv_layout=cfg.kv_layout)
+        self.cache = PrefixCache(self.pool, enabled=cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(self.cache, max_num_seqs=cfg.max_num_seqs,
+                                   max_num_batched_tokens=cfg.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.pool, cfg)
+        self._requests: dict[int, _Request] = {}
+        self._next_request = 0
+        self._next_seq = 0
+        self.step_stats: list[StepStats] = []
+
+    def _page_bytes(self) -> int:
+        mc, cfg = self.model_config, self.config
+        elem = torch.empty((), dtype=cfg.dtype).element_size()
+        return mc.num_layers * 2 * cfg.page_size * mc.num_kv_heads * mc.head_dim * elem
+
+    def _num_pages(self) -> int:
+        cfg, mc = self.config, self.model_config
+        if cfg.num_pages is not None:
+            return cfg.num_pages
+        if cfg.device.type != "cuda":  # a few sequences of full length, at most 1 GiB
+            want = 4 * -(-cfg.max_model_len // cfg.page_size)
+            return max(1, min(want, 2**30 // self._page_bytes()))
+        torch.cuda.empty_cache()
+        free, _ = torch.cuda.mem_get_info(cfg.device)
+        elem = torch.empty((), dtype=cfg.dtype).element_size()
+        # Activations of the largest step: a few hidden-size and MLP-size buffers per token,
+        # plus float32 logits and sampling buffers for every running sequence.
+        per_token = (8 * mc.hidden_size + 4 * mc.intermediate_size + 2 * (mc.num_qo_heads + 2 * mc.num_kv_heads) * mc.head_dim) * elem
+        reserve = cfg.max_num_batched_tokens * per_token + 4 * cfg.max_num_seqs * mc.vocab_size * 4 + 2**30
+        budget = int(free * cfg.gpu_memory_utilization) - reserve
+        pages = budget // self._page_bytes()
+        if pages < 1:
+            raise RuntimeError(
+                f"num_pages: no GPU memory left for the KV pool ({free / 2**30:.1f} GiB free, "
+                f"{reserve / 2**30:.1f} GiB reserved for activations); pass num_pages or lower max_num_batched_tokens")
+        return int(pages)
+
+    # ---- requests ----------------------------------------------------------------------
+
+    def _prompt_ids(self, prompt: object, i: int) -> tuple[str | None, list[int]]:
+        what = f"prompts[{i}]"
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{what}: a text prompt needs the model's tokenizer.json; pass token ids instead")
+            if not prompt:
+                raise ValueError(f"{what}: the prompt is empty")
+            return prompt, list(self.tokenizer.encode(prompt).ids)
+        if isinstance(prompt, torch.Tensor):
+            if prompt.dim() != 1 or prompt.dtype.is_floating_point or prompt.dtype == torch.bool:
+                raise TypeError(f"{what}: expected a 1-D integer tensor of token ids, got {prompt.dtype} {list(prompt.shape)}")
+            prompt = prompt.tolist()
+        if not isinstance(prompt, (list, tuple)):
+            raise TypeError(f"{what}: expected a string or a sequence of token ids, got {type(prompt).__name__}")
+        ids = []
+        for j, t in enumerate(prompt):
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise TypeError(f"{what}: token {j} is {type(t).__name__} {t!r}, expected an int")
+            ids.append(int(t))
+        return None, ids
+
+    def _check_request(self, ids: list[int], params: SamplingParams, i: int) -> None:
+        what = f"prompts[{i}]"
+        vocab, max_len, ps = self.model_config.vocab_size, self.config.max_model_len, self.config.page_size
+        if not ids:
+            raise ValueError(f"{what}: the prompt is empty (it needs at least one token)")
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"{what}: token id {bad} is outside the vocabulary [0, {vocab})")
+        if len(ids) > max_len:
+            raise ValueError(f"{what}: the prompt has {len(ids)} tokens, more than max_model_len={max_len}")
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
+        bad = next((t for t in params.stop_token_ids if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
+        pages = -(-min(len(ids) + params.max_tokens, max_len) // ps)
+        if pages > self.pool.num_pages:
+            raise ValueError(f"{what}: prompt + max_tokens need {pages} pages but the KV pool has only "
+                             f"{self.pool.num_pages}; lower max_tokens or give the pool more pages")
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> int:
+        """Queue one request; it joins the running batch at the next step. Returns its id.
+
+        Raises ``ValueError``/``TypeError`` (and changes nothing) for an empty prompt, a
+        token outside the vocabulary, a prompt longer than ``max_model_len``, a request that
+        could never fit the KV pool, or bad sampling parameters.
+        """
+        params = SamplingParams() if params is None else params
+        text, ids = self._prompt_ids(prompt, 0)
+        self._check_request(ids, params, 0)
+        return self._add(text, ids, params)
+
+    def _add(self, text: str | None, ids: list[int], params: SamplingParams) -> int:
+        rid = self._next_request
+        self._next_request += 1
+        seed = params.seed if params.seed is not None else sample_seed(self.config.seed, rid + 1)
+        seqs = []
+        for k in range(params.n):
+            gen = None if params.greedy else make_generator(sample_seed(seed, k), self.config.device)
+            seqs.append(Sequence(self._next_seq + k, rid, k, ids, params, gen))
+        self._next_seq += params.n
+        seqs[0].forks = seqs[1:]
+        stop = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop |= set(self.model_config.eos_token_ids)
+        self._requests[rid] = _Request(rid, text, ids, params, seqs, frozenset(stop))
+        self.scheduler.add(seqs[0])
+        return rid
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop ----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; returns the outputs of the requests that gained tokens."""
+        if not self.scheduler.has_unfinished():
+            return []
+        with torch.inference_mode():
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if not batch:
+            raise RuntimeError("scheduler: no sequence could be scheduled (the KV pool is too small)")
+        sample_seqs, logits, stats = self.runner.execute(batch)
+        self.scheduler.advance(batch)
+        targets: list[tuple[Sequence, int]] = []
+        for row, seq in enumerate(sample_seqs):
+            targets.append((seq, row))
+            if seq.forks:
+                targets += [(child, row) for child in self.scheduler.fork(seq)]
+        if len(targets) != len(sample_seqs):
+            logits = logits.index_select(0, torch.tensor([r for _, r in targets], device=logits.device))
+        tokens = sample(logits, [s.params for s, _ in targets], [s.generator for s, _ in targets]).tolist()
+        touched: dict[int, None] = {}
+        for (seq, _), token in zip(targets, tokens):
+            req = self._requests[seq.request_id]
+            seq.tokens.append(token)
+            if token in req.stop_ids:
+                self.scheduler.finish(seq, "stop")
+            elif len(seq.tokens) - seq.prompt_len >= seq.params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+                self.scheduler.finish(seq, "length")
+            touched[seq.request_id] = None
+        if self.config.record_steps:
+            if self.config.device.type == "cuda":
+                torch.cuda.synchronize(self.config.device)
+            self.step_stats.append(StepStats(stats.num_prefill_tokens, stats.num_decode, stats.cascade, stats.graph,
+                                             stats.kv_tokens_read, time.perf_counter() - t0))
+        outputs = [self._output(self._requests[rid]) for rid in touched]
+        for out in outputs:
+            if out.finished:
+                del self._requests[out.request_id]
+        return outputs
+
+    def _output(self, req: _Request) -> RequestOutput:
+        outs = []
+        for seq in req.seqs:
+            ids = seq.output_token_ids
+            outs.append(CompletionOutput(seq.sample_index, ids, self._decode(ids, req.stop_ids), seq.finish_reason))
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs,
+                             all(s.finished for s in req.seqs))
+
+    def _decode(self, ids: list[int], stop_ids: frozenset[int]) -> str | None:
+        if self.tokenizer is None:
+            return None
+        if ids and ids[-1] in stop_ids:
+            ids = ids[:-1]
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _add_all(self, prompts, sampling_params) -> list[int]:
+        """Validate every prompt first, then queue them all (nothing queued on an error)."""
+        if isinstance(prompts, (str, torch.Tensor)) or (
+                isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) and not isinstance(t, bool)
+                                                                       for t in prompts)):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError("prompts: expected a prompt or a non-empty list of prompts")
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
+        checked = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            text, ids = self._prompt_ids(prompt, i)
+            self._check_request(ids, p, i)
+            checked.append((text, ids, p))
+        return [self._add(text, ids, p) for text, ids, p in checked]
+
+    def _run(self, request_ids: list[int]) -> Iterator[tuple[int, RequestOutput]]:
+        index = {rid: i for i, rid in enumerate(request_ids)}
+        remaining = set(request_ids)
+        while remaining:
+            for out in self.step():
+                if out.request_id in remaining:
+                    if out.finished:
+                        remaining.discard(out.request_id)
+                    yield index[out.request_id], out
+
+    def stream(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None
+               ) -> Iterator[tuple[int, RequestOutput]]:
+        """Queue ``prompts`` (validated first, as in :meth:`generate`) and return an iterator
+        that runs them to completion, yielding ``(prompt index, output)`` whenever a request
+        gains tokens; ``output.finished`` marks its last update."""
+        return self._run(self._add_all(prompts, sampling_params))
+
+    def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for one prompt or a list (texts or token-id lists); outputs in order.
+
+        ``sampling_params``: one for all prompts or one per prompt (default: SamplingParams()).
+        Every prompt is validated before any is queued, so a bad one raises with nothing
+        started.
+        """
+        request_ids = self._add_all(prompts, sampling_params)
+        bar = _progress(len(request_ids)) if use_tqdm else None
+        results: dict[int, RequestOutput] = {}
+        try:
+            for i, out in self._run(request_ids):
+                if out.finished:
+                    results[i] = out
+                    if bar is not None:
+                        bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        return [results[i] for i in range(len(request_ids))]
+
+    # ---- maintenance -------------------------------------------------------------------
+
+    def reset_prefix_cache(self) -> None:
+        """Drop every cached page no running sequence holds."""
+        self.cache.reset()
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+
+def _progress(total: int):
+    try:
+        from tqdm import tqdm  # noqa: PLC0415
+    except ImportError:
+        return None
+    return tqdm(total=total, desc="requests", unit="req")

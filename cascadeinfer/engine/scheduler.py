@@ -1,0 +1,185 @@
+"""Continuous batching: which sequences run in the next step, and with how many tokens.
+
+Each step is planned in three passes under a token budget (``max_num_batched_tokens``)
+and a sequence cap (``max_num_seqs``):
+
+1. **Decode**: every running sequence with one token left gets it, oldest first. Its
+   next token may need a fresh page, or a private copy of a shared last page. When the
+   pool cannot give one, the youngest running sequence is preempted (all its pages
+   released, back to the waiting queue), possibly the one asking.
+2. **Prefill, continued**: running sequences in the middle of a long prompt get their
+   next chunk, as far as budget and pages allow (no preemption for these).
+3. **Admission**: waiting sequences, oldest first, reuse cached prefix pages and get
+   their first chunk. Admission stops at the first one that does not fit, or whose
+   prefix another sequence is computing this very moment (it will hit the cache next step).
+
+A step therefore mixes prefill chunks and decode tokens. A preempted sequence keeps its
+tokens; when it is admitted again its prefill recomputes prompt and generated tokens,
+after which it samples exactly as it would have — outputs do not depend on preemption.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from cascadeinfer.engine.prefix_cache import PrefixCache
+from cascadeinfer.engine.sequence import Sequence, Status
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    """One step's work: prefill chunks ``(sequence, tokens)`` and decode sequences."""
+
+    prefill: list[tuple[Sequence, int]] = field(default_factory=list)
+    decode: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.prefill) + len(self.decode)
+
+    def __bool__(self) -> bool:
+        return bool(self.prefill or self.decode)
+
+
+class Scheduler:
+    def __init__(self, cache: PrefixCache, *, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.cache = cache
+        self.page_size = cache.page_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: list[Sequence] = []  # sorted by seq_id
+        self.running: list[Sequence] = []  # sorted by seq_id
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        bisect.insort(self.waiting, seq, key=lambda s: s.seq_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- planning a step ---------------------------------------------------------------
+
+    def _pages_needed(self, seq: Sequence, num_tokens: int) -> int:
+        """Fresh pages ``seq`` needs to hold ``num_tokens`` more tokens (copy-on-write included)."""
+        ps = self.page_size
+        need = -(-(seq.num_computed + num_tokens) // ps) - len(seq.pages)
+        if seq.num_computed % ps and self.cache.pool.refcount(seq.pages[-1]) > 1:
+            need += 1  # the partly filled last page is shared: it gets copied first
+        return need
+
+    def _fit(self, seq: Sequence, want: int) -> int:
+        """The most tokens (<= ``want``) whose pages are available now."""
+        ps = self.page_size
+        spare = self.cache.num_available
+        while want > 0 and self._pages_needed(seq, want) > spare:
+            # Shrink to the end of the pages we can have; at least one page less each time.
+            want = min(want - 1, (len(seq.pages) + spare) * ps - seq.num_computed)
+        return max(0, want)
+
+    def _reserve(self, seq: Sequence, num_tokens: int) -> None:
+        """Make ``seq``'s pages cover ``num_tokens`` more tokens; the caller checked the count."""
+        ps = self.page_size
+        if seq.num_computed % ps:
+            seq.pages[-1] = self.cache.copy_on_write(seq.pages[-1])
+        need = -(-(seq.num_computed + num_tokens) // ps) - len(seq.pages)
+        if need > 0:
+            seq.pages.extend(self.cache.allocate(need))
+
+    def preempt(self, seq: Sequence) -> None:
+        """Release all of ``seq``'s pages and send it back to the waiting queue."""
+        self.running.remove(seq)
+        self.cache.release(seq.pages)
+        self.cache.drop_pending(seq)
+        seq.pages = []
+        seq.num_computed = 0
+        seq.num_registered = 0
+        self.num_preemptions += 1
+        self.add(seq)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+
+        for seq in list(self.running):  # 1. decode, oldest first
+            if not seq.is_decode or seq.status is not Status.RUNNING or budget == 0:
+                continue
+            while self._pages_needed(seq, 1) > self.cache.num_available:
+                victim = self.running[-1]  # the youngest; unscheduled, or `seq` itself
+                self.preempt(victim)
+                batch.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is Status.RUNNING:
+                self._reserve(seq, 1)
+                batch.decode.append(seq)
+                budget -= 1
+
+        for seq in self.running:  # 2. prefill chunks of running sequences
+            if seq.is_decode or budget == 0:
+                continue
+            n = self._fit(seq, min(seq.num_remaining, budget))
+            if n:
+                self._reserve(seq, n)
+                batch.prefill.append((seq, n))
+                budget -= n
+
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:  # 3. admission
+            seq = self.waiting[0]
+            hits, blocked = self.cache.match(seq)
+            if blocked:
+                break
+            self.cache.fork(hits)
+            seq.pages = hits
+            seq.num_computed = seq.num_registered = len(hits) * self.page_size
+            n = self._fit(seq, min(seq.num_remaining, budget))
+            if n == 0:
+                self.cache.release(hits)
+                seq.pages, seq.num_computed, seq.num_registered = [], 0, 0
+                break
+            self.cache.hits += len(hits)
+            self._reserve(seq, n)
+            self.waiting.pop(0)
+            seq.status = Status.RUNNING
+            bisect.insort(self.running, seq, key=lambda s: s.seq_id)
+            self.cache.claim_pending(seq)
+            if n == 1 and seq.num_remaining == 1:
+                batch.decode.append(seq)
+            else:
+                batch.prefill.append((seq, n))
+            budget -= n
+        return batch
+
+    # ---- after a step ------------------------------------------------------------------
+
+    def advance(self, batch: ScheduledBatch) -> None:
+        """The step's tokens are in the cache: move ``num_computed`` on, offer full pages."""
+        for seq, n in batch.prefill:
+            seq.num_computed += n
+            self.cache.register(seq)
+        for seq in batch.decode:
+            seq.num_computed += 1
+            self.cache.register(seq)
+
+    def fork(self, parent: Sequence) -> list[Sequence]:
+        """Start ``parent``'s waiting samples: they share all its pages and progress."""
+        children, parent.forks = parent.forks, []
+        for child in children:
+            child.pages = self.cache.fork(parent.pages)
+            child.num_computed = parent.num_computed
+            child.num_registered = parent.num_registered
+            child.page_hashes = list(parent.page_hashes)
+            child.status = Status.RUNNING
+            bisect.insort(self.running, child, key=lambda s: s.seq_id)
+        return children
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        if seq in self.running:
+            self.running.remove(seq)
+        self.cache.release(seq.pages)
+        self.cache.drop_pending(seq)
+        seq.pages = []

@@ -1,0 +1,342 @@
+"""The decode engine end to end against Hugging Face transformers' generate.
+
+Tiny random Llama and Qwen2 checkpoints are written with ``save_pretrained`` into a
+temporary directory; the engine's greedy tokens must equal transformers' greedy tokens
+for the same prompts — with and without a shared prefix, cascade forced on and off,
+with prefix caching, chunked prefill, preemption forced by a tiny pool, and n > 1.
+
+On a CPU most tests run the kernels' PyTorch path (``TRITON_INTERPRET`` switched off for
+the test: the interpreter is too slow for whole models); ``test_triton_kernels_end_to_end``
+runs the Triton kernels through the interpreter. On a GPU every test runs the Triton
+kernels (and CUDA graphs for decode steps).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from cascadeinfer.engine.llm import LLM  # noqa: E402
+from cascadeinfer.engine.model_loader import ModelConfig, ModelLoadError  # noqa: E402
+from cascadeinfer.engine.sampling import SamplingParams  # noqa: E402
+
+VOCAB = 256
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def _tiny(arch: str, path, **extra):
+    """Write a tiny random checkpoint of ``arch`` to ``path``; return the HF model (fp32, eval)."""
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, eos_token_id=2)
+    common.update(extra)
+    if arch == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    else:
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    gen = torch.Generator().manual_seed(hash(arch) % 2**31 if arch != "llama" else 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            # Larger than HF's 0.02 init so that greedy choices are not near-ties.
+            p.copy_(torch.randn(p.shape, generator=gen) * (0.2 if p.dim() > 1 else 0.3))
+            if "norm" in name:
+                p.add_(1.0)
+    model.eval()
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama")
+    return path, _tiny("llama", path)
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen2")
+    return path, _tiny("qwen2", path)
+
+
+@pytest.fixture
+def torch_path(monkeypatch, device):
+    """Plain-CPU runs take the kernels' PyTorch path (GPU runs are unaffected)."""
+    if device.type == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+def hf_greedy(model, prompt: list[int], max_new: int, device) -> list[int]:
+    model = model.to(device)
+    out = model.generate(torch.tensor([prompt], device=device), attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
+                         max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+PREFIX = [(7 * i + 3) % VOCAB for i in range(21)]  # 21 tokens: 5 full pages of 4 and one partial
+SHARED = [PREFIX + [100 + i, 30 + 2 * i] for i in range(3)]  # 23 tokens: 5 shared full pages
+UNSHARED = [[5, 6, 7], [200, 13, 14, 15, 16, 17, 18, 19, 20]]
+
+
+def _llm(path, device, **kw):
+    kw = {"page_size": 4, "num_pages": 96, "check_metadata": True, **kw}
+    return LLM(path, device=device, dtype=torch.float32, **kw)
+
+
+def _check(llm, model, prompts, max_new, device, params=None):
+    outs = llm.generate(prompts, params or SamplingParams(max_tokens=max_new, **GREEDY))
+    for prompt, out in zip(prompts, outs):
+        ref = hf_greedy(model, prompt, max_new, device)
+        for sample in out.outputs:
+            assert sample.token_ids == ref, f"prompt {prompt}: engine {sample.token_ids} != transformers {ref}"
+            assert sample.finish_reason == "length"
+    return outs
+
+
+def _assert_no_leak(llm):
+    assert not llm.has_unfinished()
+    assert llm.pool.num_free + llm.cache.num_cached == llm.pool.num_pages
+    assert all(llm.pool.refcount(p) == 1 for p in range(llm.pool.num_pages) if llm.pool.refcount(p))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("use_cascade", [True, False])
+def test_greedy_matches_transformers(arch, use_cascade, llama, qwen2, device, torch_path):
+    path, model = llama if arch == "llama" else qwen2
+    llm = _llm(path, device, use_cascade=use_cascade, record_steps=True)
+    _check(llm, model, SHARED + UNSHARED, 10, device)
+    decode_modes = {s.cascade for s in llm.step_stats if s.num_decode}
+    assert decode_modes == {use_cascade}
+    assert llm.cache.hits >= 2 * 5  # requests 1 and 2 reuse the 5 full prefix pages
+    _assert_no_leak(llm)
+
+
+def test_prefix_cache_across_calls_and_chunked_prefill(llama, device, torch_path):
+    path, model = llama
+    llm = _llm(path, device, max_num_batched_tokens=6)  # prompts are prefilled in chunks
+    _check(llm, model, SHARED[:1], 6, device)
+    hits = llm.cache.hits
+    _check(llm, model, SHARED[1:] + UNSHARED, 6, device)  # the prefix comes from the cache now
+    assert llm.cache.hits - hits == 2 * 5
+    llm.reset_prefix_cache()
+    assert llm.pool.num_free == llm.pool.num_pages
+    _assert_no_leak(llm)
+
+
+def test_preemption_gives_the_same_outputs(qwen2, device, torch_path):
+    path, model = qwen2
+    prompts = SHARED + UNSHARED
+    # 12 pages of 4 tokens: 5 sequences of up to 36 tokens cannot all run at once.
+    llm = _llm(path, device, num_pages=12, use_cascade=True)
+    outs = _check(llm, model, prompts, 12, device)
+    assert llm.num_preemptions > 0
+    _assert_no_leak(llm)
+    sampled = SamplingParams(temperature=0.9, top_k=50, top_p=0.9, max_tokens=12, seed=3, ignore_eos=True)
+    small = [o.outputs[0].token_ids for o in llm.generate(prompts, sampled)]
+    big = [o.outputs[0].token_ids for o in _llm(path, device).generate(prompts, sampled)]
+    assert small == big  # seeded sampling is independent of preemption too
+    assert [o.outputs[0].token_ids for o in outs] != small
+
+
+def test_n_samples_share_the_prompt(llama, device, torch_path):
+    path, model = llama
+    llm = _llm(path, device)
+    outs = _check(llm, model, SHARED[:2], 8, device, SamplingParams(n=3, max_tokens=8, **GREEDY))
+    assert [len(o.outputs) for o in outs] == [3, 3]
+    assert llm.cache.copies >= 2 * 2  # the shared, partly filled last prompt page was copied
+    _assert_no_leak(llm)
+    sampled = llm.generate(SHARED[0], SamplingParams(n=4, temperature=1.0, max_tokens=8, seed=11, ignore_eos=True))
+    tokens = [s.token_ids for s in sampled[0].outputs]
+    assert len({tuple(t) for t in tokens}) > 1  # independent streams per sample
+    again = llm.generate(SHARED[0], SamplingParams(n=4, temperature=1.0, max_tokens=8, seed=11, ignore_eos=True))
+    assert [s.token_ids for s in again[0].outputs] == tokens
+
+
+def test_new_requests_join_between_steps_and_bad_ones_are_rejected(llama, device, torch_path):
+    path, model = llama
+    llm = _llm(path, device)
+    params = SamplingParams(max_tokens=10, **GREEDY)
+    done = {}
+    first = llm.add_request(SHARED[0], params)
+    for _ in range(3):
+        for out in llm.step():
+            done[out.request_id] = out
+    second = llm.add_request(UNSHARED[1], params)
+    bad = [
+        ([], params, ValueError, "empty"),
+        ([1] * 129, params, ValueError, "max_model_len"),
+        ([VOCAB + 3], params, ValueError, "vocabulary"),
+        ("text", params, ValueError, "tokenizer"),
+        ([1, 2.5], params, TypeError, "token 1"),
+        ([1, 2], SamplingParams(max_tokens=4, stop_token_ids=[VOCAB]), ValueError, "stop_token_ids"),
+        ([1, 2], "greedy", TypeError, "sampling_params"),
+    ]
+    for prompt, p, exc, words in bad:
+        with pytest.raises(exc, match=words):
+            llm.add_request(prompt, p)
+    with pytest.raises(ValueError, match="prompts\\[1\\]"):
+        llm.generate([[1, 2], []], params)  # validated before anything is queued
+    while llm.has_unfinished():
+        for out in llm.step():
+            done[out.request_id] = out
+    assert set(done) == {first, second}
+    assert done[first].outputs[0].token_ids == hf_greedy(model, SHARED[0], 10, device)
+    assert done[second].outputs[0].token_ids == hf_greedy(model, UNSHARED[1], 10, device)
+    _assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-2), "top_k"), (dict(max_tokens=0), "max_tokens"), (dict(n=0), "n"),
+    (dict(seed=-1), "seed"), (dict(temperature=math.nan), "temperature"), (dict(n=1.5), "n"),
+    (dict(stop_token_ids="ab"), "stop_token_ids"), (dict(ignore_eos=1), "ignore_eos"),
+])
+def test_invalid_sampling_params(kwargs, words):
+    with pytest.raises((ValueError, TypeError), match=words):
+        SamplingParams(**kwargs)
+
+
+def test_stop_tokens_and_context_limit(llama, device, torch_path):
+    path, model = llama
+    llm = _llm(path, device, max_model_len=30)
+    ref = hf_greedy(model, UNSHARED[0], 8, device)
+    stop = ref[3]
+    out = llm.generate(UNSHARED[0], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop]))[0].outputs[0]
+    assert out.token_ids == ref[:ref.index(stop) + 1] and out.finish_reason == "stop"
+    # eos (id 2 in the config) stops too unless ignored; the context limit ends with "length"
+    out = llm.generate(SHARED[0], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))[0].outputs[0]
+    assert len(SHARED[0]) + len(out.token_ids) == 30 and out.finish_reason == "length"
+
+
+def test_triton_kernels_end_to_end(tmp_path, device):
+    """The real kernels (the interpreter on a CPU): append, ragged and paged prefill,
+    cascade (prefix + decode + merge) and flat decode, prefix hits and copy-on-write."""
+    model = _tiny("llama", tmp_path, num_hidden_layers=1)
+    prompts = [PREFIX[:9] + [40 + i] for i in range(2)]  # 2 full shared pages + own page
+    for use_cascade in (True, False):
+        llm = _llm(tmp_path, device, use_cascade=use_cascade, record_steps=True)
+        _check(llm, model, prompts, 3, device, SamplingParams(n=2 if use_cascade else 1, max_tokens=3, **GREEDY))
+        assert {s.cascade for s in llm.step_stats if s.num_decode} == {use_cascade}
+        assert llm.cache.hits == 2
+
+
+# ---- checkpoints ---------------------------------------------------------------------
+
+
+def test_sharded_bf16_tied_checkpoint(tmp_path, device, torch_path):
+    model = _tiny("llama", tmp_path / "src", tie_word_embeddings=True).to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    llm = _llm(tmp_path / "sharded", device)
+    assert llm.model.lm_head is None
+    _check(llm, model.float(), UNSHARED, 6, device)
+
+
+def test_llama3_rope_scaling(tmp_path, device, torch_path):
+    rope = {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    model = _tiny("llama", tmp_path, rope_parameters=rope)
+    llm = _llm(tmp_path, device)
+    assert llm.model_config.rope_scaling.rope_type == "llama3"
+    _check(llm, model, SHARED[:1], 8, device)
+
+
+def test_config_parsing():
+    old_style = {"model_type": "mistral", "vocab_size": 100, "hidden_size": 32, "intermediate_size": 64,
+                 "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 1,
+                 "rope_theta": 1e6, "rope_scaling": {"type": "linear", "factor": 2.0},
+                 "sliding_window": 64, "max_position_embeddings": 1024, "eos_token_id": [2, 3]}
+    cfg = ModelConfig.from_dict(old_style, {"eos_token_id": 7})
+    assert (cfg.rope_theta, cfg.rope_scaling.rope_type, cfg.rope_scaling.factor) == (1e6, "linear", 2.0)
+    assert cfg.context_length == 64 and cfg.head_dim == 8 and cfg.eos_token_ids == (2, 3, 7)
+    bad = [
+        ({**old_style, "model_type": "gpt2"}, "model_type"),
+        ({**old_style, "hidden_act": "gelu"}, "hidden_act"),
+        ({k: v for k, v in old_style.items() if k != "vocab_size"}, "vocab_size"),
+        ({**old_style, "num_key_value_heads": 3}, "num_key_value_heads"),
+        ({**old_style, "rope_scaling": {"type": "yarn", "factor": 4.0}}, "yarn"),
+        ({**old_style, "eos_token_id": "x"}, "eos_token_id"),
+    ]
+    for cfg_dict, words in bad:
+        with pytest.raises(ModelLoadError, match=words):
+            ModelConfig.from_dict(cfg_dict)
+
+
+def test_missing_or_malformed_files(tmp_path, llama):
+    path, _ = llama
+    with pytest.raises(ModelLoadError, match="not a directory"):
+        LLM(tmp_path / "nowhere")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ModelLoadError, match="config.json"):
+        LLM(empty)
+    (empty / "config.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match="malformed JSON"):
+        LLM(empty)
+    (empty / "config.json").write_text((path / "config.json").read_text())
+    with pytest.raises(ModelLoadError, match="safetensors"):
+        LLM(empty, device="cpu")
+    (empty / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{garbage")
+    with pytest.raises(ModelLoadError, match="malformed safetensors"):
+        LLM(empty, device="cpu")
+    from safetensors.torch import load_file, save_file  # noqa: PLC0415
+
+    tensors = load_file(str(path / "model.safetensors"))
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, str(empty / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="lacks 1 tensors.*down_proj"):
+        LLM(empty, device="cpu")
+    tensors["model.layers.1.mlp.down_proj.weight"] = torch.zeros(3, 3)
+    save_file(tensors, str(empty / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="down_proj.weight.*shape"):
+        LLM(empty, device="cpu")
+
+
+def test_text_prompts_with_tokenizer(tmp_path, device, torch_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    model = _tiny("llama", tmp_path)
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(VOCAB - 3)]
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.decoder = tokenizers.decoders.WordPiece()  # joins words with spaces
+    tok.save(str(tmp_path / "tokenizer.json"))
+    llm = _llm(tmp_path, device)
+    text = "w10 w20 w30 w40"
+    ids = [13, 23, 33, 43]
+    out = llm.generate([text], SamplingParams(max_tokens=5, **GREEDY))[0]
+    ref = hf_greedy(model, ids, 5, device)
+    assert out.prompt_token_ids == ids and out.outputs[0].token_ids == ref
+    assert out.outputs[0].text == " ".join(words[t] for t in ref)
+
+
+def test_engine_options_are_checked(llama):
+    path, _ = llama
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        LLM(path, device="cpu", pages=3)
+    with pytest.raises(ValueError, match="page_size"):
+        LLM(path, device="cpu", page_size=0)
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLM(path, device="cpu", max_model_len=10**6)
+    with pytest.raises(ValueError, match="need 6 pages"):
+        LLM(path, device="cpu", num_pages=2, page_size=4).generate([1, 2, 3], SamplingParams(max_tokens=20))
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["model_type"] == "llama"
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_match_eager(llama, device):
+    path, model = llama
+    prompts = SHARED + UNSHARED
+    graphs = _llm(path, device, record_steps=True, check_metadata=False)
+    eager = _llm(path, device, enforce_eager=True)
+    a = _check(graphs, model, prompts, 12, device)
+    b = _check(eager, model, prompts, 12, device)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    assert any(s.graph and s.cascade for s in graphs.step_stats)
+    flat = _llm(path, device, use_cascade=False, record_steps=True, check_metadata=False)
+    _check(flat, model, prompts, 12, device)
+    assert any(s.graph and s.cascade is False for s in flat.step_stats)
