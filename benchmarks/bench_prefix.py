@@ -142,13 +142,11 @@ def check_correctness(fi) -> None:
 
 def run_config(q, qo, pool, indptr, indices, last, cfg, splits, layout="NHD", out=None, lse=None):
     """batch_prefill_paged with a forced tile config and split count (None: the default)."""
-    kv = unpack_paged_kv_cache(pool, layout)
-    strides = (kv.stride_page, kv.stride_token, kv.stride_head)
-    source = P._KVSource(kv.k, kv.v, True, PAGE, HKV, D, strides, strides, indices.shape[0] * PAGE)
+    source = P._paged_source(unpack_paged_kv_cache(pool, layout), indptr, indices, last)
     if out is None:
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:2], device=q.device)
-    return P._run(q, qo, source, indptr, indices, last, out, lse, causal=False, sm_scale=SM_SCALE,
+    return P._run(q, qo, source, out, lse, causal=False, sm_scale=SM_SCALE,
                   num_splits=splits, config=cfg)
 
 

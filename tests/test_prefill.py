@@ -94,12 +94,9 @@ def run_paged(device, *, qo_lens, kv_lens, num_kv_heads, group, head_dim, dtype,
         o, s = batch_prefill_paged(*args, causal=causal, kv_layout=layout, out=out, lse=lse)
         assert o is out and s is lse
     else:
-        kv = unpack_paged_kv_cache(cache, layout)
-        strides = (kv.stride_page, kv.stride_token, kv.stride_head)
-        source = P._KVSource(kv.k, kv.v, True, page_size, num_kv_heads, head_dim, strides, strides,
-                             table.kv_indices.shape[0] * page_size)
-        P._run(q, qo_indptr, source, table.kv_indptr, table.kv_indices, table.kv_last_page_len, out, lse,
-               causal=causal, sm_scale=head_dim ** -0.5, num_splits=num_splits, config=config)
+        source = P._paged_source(unpack_paged_kv_cache(cache, layout), *args[3:])
+        P._run(q, qo_indptr, source, out, lse, causal=causal, sm_scale=head_dim ** -0.5, num_splits=num_splits,
+               config=config)
     ref = P.batch_prefill_paged_ref(*args, causal=causal, kv_layout=layout)
     check_state(out, lse, *ref, dtype)
 
@@ -148,13 +145,11 @@ def test_split_partials_merge_to_reference(device, num_splits):
                               gen=gen)
     qo_indptr = indptr_from_lengths([5, 3], device=device)
     q = _randn((8, hkv * group, d), dtype, device, gen)
-    kv = unpack_paged_kv_cache(cache, "NHD")
-    strides = (kv.stride_page, kv.stride_token, kv.stride_head)
-    source = P._KVSource(kv.k, kv.v, True, 16, hkv, d, strides, strides, 0)
+    source = P._paged_source(unpack_paged_kv_cache(cache, "NHD"), table.kv_indptr, table.kv_indices,
+                             table.kv_last_page_len)
     part_o = torch.full((8, num_splits, hkv * group, d), math.nan, dtype=dtype, device=device)
     part_lse = torch.full((8, num_splits, hkv * group), math.nan, device=device)
-    P._launch(q, qo_indptr, source, table.kv_indptr, table.kv_indices, table.kv_last_page_len, part_o, part_lse,
-              causal=False, sm_scale=d ** -0.5, config=SMALL)
+    P._launch(q, qo_indptr, source, part_o, part_lse, causal=False, sm_scale=d ** -0.5, config=SMALL)
     assert not part_o.isnan().any() and not part_lse.isnan().any()
     o, s = part_o[:, 0].double(), part_lse[:, 0].double()
     for j in range(1, num_splits):
@@ -333,8 +328,8 @@ def test_shared_prefix_split(device):
     k = _randn((90, 2, 64), torch.float16, device, gen)
     v = _randn((90, 2, 64), torch.float16, device, gen)
     out, lse = poisoned(q)
-    source = P._ragged_source(q, k, v)
-    P._run(q, None, source, None, None, None, out, lse, causal=False, sm_scale=0.125, num_splits=3, config=SMALL)
+    source = P._ragged_source(q, k, v, None)
+    P._run(q, None, source, out, lse, causal=False, sm_scale=0.125, num_splits=3, config=SMALL)
     check_state(out, lse, *attention_state_ref(q, k, v), torch.float16)
 
 

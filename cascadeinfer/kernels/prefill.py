@@ -65,7 +65,7 @@ from cascadeinfer.kernels.merge import merge_states
 from cascadeinfer.kernels.reference import attention_state_ref
 from cascadeinfer.layouts.indptr import validate_indptr
 from cascadeinfer.layouts.page_table import validate_page_table
-from cascadeinfer.layouts.paged_cache import PagedKVCache, gather_paged_kv, unpack_paged_kv_cache
+from cascadeinfer.layouts.paged_cache import PagedKV, PagedKVCache, gather_paged_kv, unpack_paged_kv_cache
 
 LOG2E = math.log2(math.e)  # natural log -> log2 units: scores are scaled by sm_scale * LOG2E
 _LN2 = tl.constexpr(math.log(2.0))  # log2 -> natural log at the store
@@ -386,17 +386,31 @@ def default_num_splits(num_tiles: int, num_kv_heads: int, max_kv_len: int, devic
 
 @dataclass(frozen=True, slots=True)
 class _KVSource:
-    """K and V as the kernel sees them: base tensors plus (page, token, head) strides."""
+    """The KV side as the kernel sees it: base tensors, (page, token, head) strides and,
+    for a paged cache, the CSR page table (``None`` where the kernel reads none)."""
 
     k: torch.Tensor
     v: torch.Tensor
     paged: bool
     page_size: int  # 1 for ragged KV (not read)
     num_kv_heads: int
-    head_dim: int
     k_strides: tuple[int, int, int]  # (page, token, head); page stride 0 for ragged
     v_strides: tuple[int, int, int]
-    max_kv_len: int  # upper bound on one group's KV length, from shapes
+    indptr: torch.Tensor | None  # pages (paged) or tokens (ragged) per group; None: one group
+    indices: torch.Tensor | None = None  # page ids (paged)
+    last_page_len: torch.Tensor | None = None  # (paged)
+
+    @property
+    def max_kv_len(self) -> int:
+        """Upper bound on one group's KV length, from shapes."""
+        return self.indices.shape[0] * self.page_size if self.paged else self.k.shape[0]
+
+
+def _paged_source(kv: PagedKV, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                  kv_last_page_len: torch.Tensor) -> _KVSource:
+    strides = (kv.stride_page, kv.stride_token, kv.stride_head)  # K and V views share strides
+    return _KVSource(kv.k, kv.v, True, kv.page_size, kv.num_kv_heads, strides, strides,
+                     kv_indptr, kv_indices, kv_last_page_len)
 
 
 def _grid_tiles(q: torch.Tensor, qo_indptr: torch.Tensor | None, kv: _KVSource, config: TileConfig) -> tuple[int, int]:
@@ -409,9 +423,6 @@ def _launch(
     q: torch.Tensor,
     qo_indptr: torch.Tensor | None,
     kv: _KVSource,
-    kv_indptr: torch.Tensor | None,
-    kv_indices: torch.Tensor | None,
-    kv_last_page_len: torch.Tensor | None,
     o_dest: torch.Tensor,
     lse_dest: torch.Tensor,
     *,
@@ -436,9 +447,9 @@ def _launch(
     _prefill_kernel[grid](
         q, kv.k, kv.v, o_dest, lse_dest,
         dummy if one_group else qo_indptr,
-        dummy if one_group else kv_indptr,
-        kv_indices if kv.paged else dummy,
-        kv_last_page_len if kv.paged else dummy,
+        dummy if one_group else kv.indptr,
+        kv.indices if kv.paged else dummy,
+        kv.last_page_len if kv.paged else dummy,
         (num_groups - 1).bit_length(), num_groups,
         nnz_qo, kv.k.shape[0] if one_group else 0,
         kv.page_size,
@@ -465,9 +476,6 @@ def _run(
     q: torch.Tensor,
     qo_indptr: torch.Tensor | None,
     kv: _KVSource,
-    kv_indptr: torch.Tensor | None,
-    kv_indices: torch.Tensor | None,
-    kv_last_page_len: torch.Tensor | None,
     out: torch.Tensor,
     lse: torch.Tensor,
     *,
@@ -483,15 +491,14 @@ def _run(
         num_splits = default_num_splits(_grid_tiles(q, qo_indptr, kv, config)[1], kv.num_kv_heads, kv.max_kv_len,
                                         q.device)
     if num_splits == 1:
-        _launch(q, qo_indptr, kv, kv_indptr, kv_indices, kv_last_page_len,
-                out.unsqueeze(1), lse.unsqueeze(1), causal=causal, sm_scale=sm_scale, config=config)
+        _launch(q, qo_indptr, kv, out.unsqueeze(1), lse.unsqueeze(1), causal=causal, sm_scale=sm_scale,
+                config=config)
         return out, lse
     # One partial state per split (o in q's dtype, as merge_states takes one dtype; LSE
     # float32). Every (row, split) is written, an empty split as the identity (0, -inf).
     part_o = torch.empty((nnz_qo, num_splits, num_qo_heads, head_dim), dtype=q.dtype, device=q.device)
     part_lse = torch.empty((nnz_qo, num_splits, num_qo_heads), dtype=torch.float32, device=q.device)
-    _launch(q, qo_indptr, kv, kv_indptr, kv_indices, kv_last_page_len,
-            part_o, part_lse, causal=causal, sm_scale=sm_scale, config=config)
+    _launch(q, qo_indptr, kv, part_o, part_lse, causal=causal, sm_scale=sm_scale, config=config)
     merge_states(part_o, part_lse, out=out, out_lse=lse)
     return out, lse
 
@@ -621,28 +628,18 @@ def batch_prefill_paged(
             causal=causal, kv_layout=kv_layout, sm_scale=scale,
         )
         return _store(out, lse, o64, lse64)
-    source = _KVSource(
-        k=kv.k, v=kv.v, paged=True, page_size=kv.page_size, num_kv_heads=kv.num_kv_heads,
-        head_dim=kv.head_dim,
-        k_strides=(kv.stride_page, kv.stride_token, kv.stride_head),
-        v_strides=(kv.stride_page, kv.stride_token, kv.stride_head),
-        max_kv_len=kv_indices.shape[0] * kv.page_size,
-    )
-    return _run(q, qo_indptr, source, kv_indptr, kv_indices, kv_last_page_len, out, lse,
-                causal=causal, sm_scale=scale)
+    source = _paged_source(kv, kv_indptr, kv_indices, kv_last_page_len)
+    return _run(q, qo_indptr, source, out, lse, causal=causal, sm_scale=scale)
 
 
-def _ragged_source(q: torch.Tensor, k: object, v: object) -> _KVSource:
+def _ragged_source(q: torch.Tensor, k: object, v: object, kv_indptr: torch.Tensor | None) -> _KVSource:
     check_tensor("k", k, ndim=3, dtypes=FLOAT_DTYPES, device=q.device)
     check_tensor("v", v, ndim=3, dtypes=(k.dtype,), device=q.device, shape=tuple(k.shape))
     check_last_dim_contiguous("k", k)
     check_last_dim_contiguous("v", v)
     _check_kv_matches_q(q, "k", k.dtype, k.shape[1], k.shape[2])
-    return _KVSource(
-        k=k, v=v, paged=False, page_size=1, num_kv_heads=k.shape[1], head_dim=k.shape[2],
-        k_strides=(0, k.stride(0), k.stride(1)), v_strides=(0, v.stride(0), v.stride(1)),
-        max_kv_len=k.shape[0],
-    )
+    return _KVSource(k, v, False, 1, k.shape[1], (0, k.stride(0), k.stride(1)), (0, v.stride(0), v.stride(1)),
+                     kv_indptr)
 
 
 def batch_prefill_ragged(
@@ -675,7 +672,7 @@ def batch_prefill_ragged(
     """
     _check_q(q)
     _check_flag("causal", causal)
-    source = _ragged_source(q, k, v)
+    source = _ragged_source(q, k, v, kv_indptr)
     _check_qo_indptr(qo_indptr, q.device)
     check_int32_vector("kv_indptr", kv_indptr, q.device, length=qo_indptr.shape[0])
     scale = default_sm_scale(q.shape[2], sm_scale)
@@ -688,7 +685,7 @@ def batch_prefill_ragged(
     if not use_triton(q.device):
         o64, lse64 = batch_prefill_ragged_ref(q, qo_indptr, k, v, kv_indptr, causal=causal, sm_scale=scale)
         return _store(out, lse, o64, lse64)
-    return _run(q, qo_indptr, source, kv_indptr, None, None, out, lse, causal=causal, sm_scale=scale)
+    return _run(q, qo_indptr, source, out, lse, causal=causal, sm_scale=scale)
 
 
 def shared_prefix_attention(
@@ -714,13 +711,13 @@ def shared_prefix_attention(
     Reads no index tensor at all: the KV split count and the grid come from the shapes.
     """
     _check_q(q)
-    source = _ragged_source(q, k, v)
+    source = _ragged_source(q, k, v, None)
     scale = default_sm_scale(q.shape[2], sm_scale)
     out, lse = _outputs(q, out, lse)
     if not use_triton(q.device):
         o64, lse64 = attention_state_ref(q, k, v, sm_scale=scale)
         return _store(out, lse, o64, lse64)
-    return _run(q, None, source, None, None, None, out, lse, causal=False, sm_scale=scale)
+    return _run(q, None, source, out, lse, causal=False, sm_scale=scale)
 
 
 # --------------------------------------------------------------------------------------
