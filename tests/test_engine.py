@@ -212,16 +212,33 @@ def test_stop_tokens_and_context_limit(llama, device, torch_path):
     assert len(SHARED[0]) + len(out.token_ids) == 30 and out.finish_reason == "length"
 
 
-def test_triton_kernels_end_to_end(tmp_path, device):
+@pytest.fixture
+def few_decode_splits(monkeypatch, device):
+    """On a CPU the decode kernel plans its KV splits for 132 SMs: hundreds of programs,
+    seconds per call in the interpreter. Plan for 4 there (split-KV itself is the decode
+    kernel's own tests' business)."""
+    if device.type == "cpu":
+        from cascadeinfer.kernels import decode  # noqa: PLC0415
+
+        monkeypatch.setattr(decode, "_num_sms", lambda *args: 4, raising=False)
+
+
+@pytest.mark.parametrize("mode", ["cascade", "flat", "padded-graph-path"])
+def test_triton_kernels_end_to_end(mode, tmp_path, device, few_decode_splits):
     """The real kernels (the interpreter on a CPU): append, ragged and paged prefill,
-    cascade (prefix + decode + merge) and flat decode, prefix hits and copy-on-write."""
+    cascade (prefix + decode + merge) and flat decode, prefix hits and copy-on-write, and
+    the CUDA-graph path's padded buffers (without capture)."""
+    from cascadeinfer.engine.model_runner import DecodeGraphs  # noqa: PLC0415
+
     model = _tiny("llama", tmp_path, num_hidden_layers=1)
     prompts = [PREFIX[:9] + [40 + i] for i in range(2)]  # 2 full shared pages + own page
-    for use_cascade in (True, False):
-        llm = _llm(tmp_path, device, use_cascade=use_cascade, record_steps=True)
-        _check(llm, model, prompts, 3, device, SamplingParams(n=2 if use_cascade else 1, max_tokens=3, **GREEDY))
-        assert {s.cascade for s in llm.step_stats if s.num_decode} == {use_cascade}
-        assert llm.cache.hits == 2
+    llm = _llm(tmp_path, device, use_cascade=mode != "flat", record_steps=True, max_graph_batch=4)
+    if mode == "padded-graph-path":
+        llm.runner.graphs = DecodeGraphs(llm.runner, capture=False)
+    _check(llm, model, prompts, 3, device, SamplingParams(n=2 if mode == "cascade" else 1, max_tokens=3, **GREEDY))
+    assert {s.cascade for s in llm.step_stats if s.num_decode} == {mode != "flat"}
+    assert any(s.graph for s in llm.step_stats) == (mode == "padded-graph-path")
+    assert llm.cache.hits == 2
 
 
 # ---- checkpoints ---------------------------------------------------------------------
@@ -325,6 +342,24 @@ def test_engine_options_are_checked(llama):
         LLM(path, device="cpu", num_pages=2, page_size=4).generate([1, 2, 3], SamplingParams(max_tokens=20))
     cfg = json.loads((path / "config.json").read_text())
     assert cfg["model_type"] == "llama"
+
+
+@pytest.mark.parametrize("use_cascade", [True, False])
+def test_padded_graph_path_without_capture(use_cascade, qwen2, device, torch_path):
+    """The CUDA-graph decode path's fixed buffers and padding, run without capture."""
+    from cascadeinfer.engine.model_runner import DecodeGraphs  # noqa: PLC0415
+
+    path, model = qwen2
+    llm = _llm(path, device, use_cascade=use_cascade, max_graph_batch=6, record_steps=True)
+    llm.runner.graphs = DecodeGraphs(llm.runner, capture=False)
+    prompts = SHARED + UNSHARED
+    params = [SamplingParams(max_tokens=4 + 2 * i, **GREEDY) for i in range(len(prompts))]
+    outs = llm.generate(prompts, params)
+    for prompt, p, out in zip(prompts, params, outs):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, p.max_tokens, device)
+    padded = {s.num_decode for s in llm.step_stats if s.graph}
+    assert {5, 3} <= padded  # batches of 5 (bucket 6) and 3 (bucket 4) went through it
+    _assert_no_leak(llm)
 
 
 @pytest.mark.gpu

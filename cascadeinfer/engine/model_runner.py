@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cascadeinfer._checks import next_power_of_2
 from cascadeinfer.cascade.multi_level import MultiLevelCascadeAttention
 from cascadeinfer.cascade.plan import HostLevel, choose_cascade
 from cascadeinfer.engine.config import EngineConfig
@@ -312,10 +313,14 @@ class DecodeGraphs:
     sit in buffers of the largest possible size (kernels read only up to ``kv_indptr``).
     Only two-level cascades (or flat decode) are captured. Graphs share one memory pool
     and are captured on first use; each step refills the buffers and replays.
+
+    ``capture=False`` runs the same padded forward without a graph (any device): the
+    tests check the padding and buffer logic that way on a CPU.
     """
 
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: ModelRunner, *, capture: bool = True):
         self.runner = runner
+        self.capture = capture
         cfg = runner.config
         dev = cfg.device
         self.max_batch = cfg.max_graph_batch
@@ -337,7 +342,7 @@ class DecodeGraphs:
         self.l1_indptr, self.l1_indices, self.l1_last = (torch.zeros(b + 1, **i32), torch.zeros(cap, **i32),
                                                          torch.zeros(b, **i32))
         self.graphs: dict[tuple[int, bool, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.mempool = torch.cuda.graph_pool_handle()
+        self.mempool = torch.cuda.graph_pool_handle() if capture else None
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
@@ -403,14 +408,16 @@ class DecodeGraphs:
 
         return attention
 
+    def _forward(self, batch: int, cascade: bool, groups: int) -> torch.Tensor:
+        attention = self._attention(batch, cascade, groups)
+        return self.runner.model(self.input_ids[:batch], self.positions[:batch], attention, None)
+
     def _capture(self, batch: int, cascade: bool, groups: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         empty = LevelTable([0], [0], [], [])
-        self._fill(batch, [], [empty, LevelTable([0], [0], [], [])], groups)
-        attention = self._attention(batch, cascade, groups)
-        model = self.runner.model
+        self._fill(batch, [], [empty, empty], groups)
 
         def forward() -> torch.Tensor:
-            return model(self.input_ids[:batch], self.positions[:batch], attention, None)
+            return self._forward(batch, cascade, groups)
 
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -425,15 +432,17 @@ class DecodeGraphs:
     def run(self, seqs: list[Sequence], levels: list[LevelTable], cascade: bool) -> torch.Tensor:
         """Replay (capturing first if new) the step for ``seqs``; float32 logits ``[n, vocab]``."""
         batch = self.bucket(len(seqs))
-        groups = 0
+        groups = 1  # level-0 groups, padding rows' group included, rounded up to a power of 2
         if cascade:
-            groups = len(levels[0].qo_indptr) - 1 + (batch > len(seqs))
-            groups = min(batch, 1 << max(0, (groups - 1).bit_length()))
+            groups = min(batch, next_power_of_2(len(levels[0].qo_indptr) - 1 + (batch > len(seqs))))
+        if not self.capture:
+            self._fill(batch, seqs, levels if cascade else [], groups)
+            return self._forward(batch, cascade, groups)[:len(seqs)]
         key = (batch, cascade, groups)
         if key not in self.graphs:
-            self.graphs[key] = self._capture(batch, cascade, max(groups, 1))
+            self.graphs[key] = self._capture(batch, cascade, groups)
         graph, logits = self.graphs[key]
-        self._fill(batch, seqs, levels if cascade else [], max(groups, 1))
+        self._fill(batch, seqs, levels if cascade else [], groups)
         graph.replay()
         return logits[:len(seqs)]
 
