@@ -362,6 +362,42 @@ def test_padded_graph_path_without_capture(use_cascade, qwen2, device, torch_pat
     _assert_no_leak(llm)
 
 
+def test_cli_generate_streams_and_batches(llama, tmp_path, device, torch_path, capsys):
+    from cascadeinfer.engine.cli import main  # noqa: PLC0415
+
+    path, model = llama
+    common = ["--model", str(path), "--max-tokens", "5", "--ignore-eos", "--device", device.type,
+              "--dtype", "float32", "--page-size", "4", "--num-pages", "64"]
+    assert main(["generate", "--prompt", json.dumps(UNSHARED[1])] + common) == 0
+    streamed = capsys.readouterr().out.split()
+    assert [int(t) for t in streamed] == hf_greedy(model, UNSHARED[1], 5, device)
+    prompts_file = tmp_path / "prompts.txt"
+    prompts_file.write_text("\n".join(json.dumps(p) for p in SHARED) + "\n")
+    assert main(["generate", "--prompts-file", str(prompts_file), "--no-progress"] + common) == 0
+    out = capsys.readouterr().out
+    for i, prompt in enumerate(SHARED):
+        assert f"=== prompt {i} ===\n{json.dumps(hf_greedy(model, prompt, 5, device))}  (5 tokens, length)" in out
+    with pytest.raises(SystemExit, match="temperature"):
+        main(["generate", "--prompt", "[1]", "--temperature", "-1"] + common)
+
+
+def test_cli_bench_runs_and_prints_a_table(device, torch_path, capsys, tmp_path):
+    from cascadeinfer.engine.cli import main  # noqa: PLC0415
+
+    out_json = tmp_path / "bench.json"
+    assert main(["bench", "--preset", "tiny", "--requests", "5", "--prefix", "21", "--suffix", "3",
+                 "--new-tokens", "4", "--hf-requests", "2", "--page-size", "4", "--device", device.type,
+                 "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    assert "# check: ok" in out and "| cascadeinfer cascade | 5 | 20 |" in out and "| cascadeinfer flat | 5 | 20 |" in out
+    assert "transformers generate" in out and "cascade / flat" in out
+    result = json.loads(out_json.read_text())
+    rows = {r["engine"]: r for r in result["rows"]}
+    assert rows["cascadeinfer cascade"]["cascade_steps"] == rows["cascadeinfer cascade"]["decode_steps"] > 0
+    assert rows["cascadeinfer flat"]["cascade_steps"] == 0
+    assert rows["cascadeinfer cascade"]["kv_gb"] < rows["cascadeinfer flat"]["kv_gb"]
+
+
 @pytest.mark.gpu
 def test_cuda_graphs_match_eager(llama, device):
     path, model = llama

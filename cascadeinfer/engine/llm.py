@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator, Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -350,6 +350,11 @@ class LLM:
         return [results[i] for i in range(len(request_ids))]
 
     # ---- maintenance -------------------------------------------------------------------
+
+    def set_use_cascade(self, use_cascade: bool | None) -> None:
+        """Switch the decode attention mode: cascade (True), flat (False), planner (None)."""
+        self.config = replace(self.config, use_cascade=use_cascade)
+        self.runner.config = self.config
 
     def reset_prefix_cache(self) -> None:
         """Drop every cached page no running sequence holds."""
