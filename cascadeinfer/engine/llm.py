@@ -102,6 +102,8 @@ class LLM:
 
     def _setup(self, config: ModelConfig, dtype, device, engine: dict) -> None:
         device = torch.device(device) if device is not None else _default_device()
+        if device.type == "cuda" and device.index is None:  # tensors report "cuda:0", never "cuda"
+            device = torch.device("cuda", torch.cuda.current_device())
         if dtype == "auto":
             dtype = (config.torch_dtype or torch.bfloat16) if device.type == "cuda" else torch.float32
         dtype = parse_dtype(dtype)

@@ -22,6 +22,7 @@ that each step refills (see :class:`DecodeGraphs`).
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -130,8 +131,15 @@ def cascade_tables(
 # ---- the attention of one step --------------------------------------------------------
 
 
+def _host_tensor(values: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU int32/int64 tensor from a list (via ``array``: ~3x faster than torch.tensor)."""
+    if not values:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(array("i" if dtype == torch.int32 else "q", values), dtype=dtype)
+
+
 def _i32(values: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int32, device=device)
+    return _host_tensor(values, torch.int32).to(device)
 
 
 class StepAttention:
@@ -211,8 +219,11 @@ class ModelRunner:
         if self.config.use_cascade is not None:
             return self.config.use_cascade
         mc = self.model.config
+        hosts = [lv.host_level() for lv in levels]
+        # The planner needs the flat table only to know that flat decode is possible, which
+        # it always is here (levels above the last hold full pages only).
         cascade, _, _ = choose_cascade(
-            [lv.host_level() for lv in levels], levels[-1].host_level(), page_size=self.page_size,
+            hosts, hosts[-1], page_size=self.page_size,
             num_qo_heads=mc.num_qo_heads, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
             elem_bytes=self.pool.cache.element_size(), device=self.config.device)
         return cascade
@@ -267,10 +278,10 @@ class ModelRunner:
             num_prefill_tokens=num_prefill_tokens, prefill_qo_indptr=_i32(qo, device),
             prefill_ragged=all(s.num_computed == 0 for s, _ in batch.prefill), decode=decode_attn)
         logits = self.model(
-            torch.tensor(input_ids, dtype=torch.int64, device=device),
-            torch.tensor(positions, dtype=torch.int64, device=device),
+            _host_tensor(input_ids, torch.int64).to(device),
+            _host_tensor(positions, torch.int64).to(device),
             attention,
-            torch.tensor(sample_index, dtype=torch.int64, device=device),
+            _host_tensor(sample_index, torch.int64).to(device),
         )
         cascade = decode_attn.use_cascade if decode_attn is not None else None
         return sample_seqs, logits, self._stats(num_prefill_tokens, decode_levels, cascade, False)
@@ -348,55 +359,66 @@ class DecodeGraphs:
         return next(b for b in self.buckets if b >= n)
 
     def _fill(self, batch: int, seqs: list[Sequence], levels: list[LevelTable], groups: int) -> None:
-        """Write the step's metadata into the buffers, padded to ``batch`` rows and ``groups``."""
+        """Write the step's metadata into the buffers, padded to ``batch`` rows and ``groups``.
+
+        Flat mode (``levels`` empty) fills the flat table (every row's pages). Cascade mode
+        fills the two levels; the new token is appended through the last level's table
+        (its page is always the row's last), so positions there are relative to the row's
+        first page in that level.
+        """
         ps = self.runner.page_size
         n = len(seqs)
         pad = batch - n
 
         def put(buf: torch.Tensor, values: list[int]) -> None:
             if values:
-                buf[:len(values)].copy_(torch.tensor(values, dtype=buf.dtype), non_blocking=True)
+                buf[:len(values)].copy_(_host_tensor(values, buf.dtype), non_blocking=True)
 
         put(self.input_ids, [s.tokens[-1] for s in seqs] + [0] * pad)
-        positions = [s.num_tokens - 1 for s in seqs] + [0] * pad
-        put(self.positions, positions)
-        put(self.append_positions, positions)
+        positions = [s.num_tokens - 1 for s in seqs]
+        put(self.positions, positions + [0] * pad)
         put(self.append_rows, list(range(n)) + [-1] * pad)
-        flat_indptr, flat_indices, flat_last = [0], [], []
-        for s in seqs:
-            flat_indices += s.pages
-            flat_indptr.append(len(flat_indices))
-            flat_last.append(s.num_tokens - (len(s.pages) - 1) * ps)
-        put(self.flat_indptr, flat_indptr + [flat_indptr[-1]] * pad)
-        put(self.flat_indices, flat_indices)
-        put(self.flat_last, flat_last + [0] * pad)
-        if len(levels) == 2:
-            top, own = levels
-            qo, kv, last = list(top.qo_indptr), list(top.kv_indptr), list(top.kv_last_page_len)
-            if pad:  # one more group: the padding rows, without pages
-                qo.append(batch)
-                kv.append(kv[-1])
-                last.append(0)
-            empty = groups + 1 - len(qo)
-            put(self.l0_qo, qo + [batch] * empty)
-            put(self.l0_indptr, kv + [kv[-1]] * empty)
-            put(self.l0_indices, top.kv_indices)
-            put(self.l0_last, last + [0] * empty)
-            put(self.l1_indptr, own.kv_indptr + [own.kv_indptr[-1]] * pad)
-            put(self.l1_indices, own.kv_indices)
-            put(self.l1_last, own.kv_last_page_len + [0] * pad)
+        if not levels:
+            indptr, indices, last = [0], [], []
+            for s in seqs:
+                indices += s.pages
+                indptr.append(len(indices))
+                last.append(s.num_tokens - (len(s.pages) - 1) * ps)
+            put(self.append_positions, positions + [0] * pad)
+            put(self.flat_indptr, indptr + [indptr[-1]] * pad)
+            put(self.flat_indices, indices)
+            put(self.flat_last, last + [0] * pad)
+            return
+        top, own = levels
+        qo, kv, last = list(top.qo_indptr), list(top.kv_indptr), list(top.kv_last_page_len)
+        if pad:  # one more group: the padding rows, without pages
+            qo.append(batch)
+            kv.append(kv[-1])
+            last.append(0)
+        empty = groups + 1 - len(qo)
+        put(self.l0_qo, qo + [batch] * empty)
+        put(self.l0_indptr, kv + [kv[-1]] * empty)
+        put(self.l0_indices, top.kv_indices)
+        put(self.l0_last, last + [0] * empty)
+        own_pages = [b - a for a, b in zip(own.kv_indptr[:-1], own.kv_indptr[1:])]
+        put(self.append_positions, [pos - (len(s.pages) - k) * ps for pos, s, k in zip(positions, seqs, own_pages)]
+            + [0] * pad)
+        put(self.l1_indptr, own.kv_indptr + [own.kv_indptr[-1]] * pad)
+        put(self.l1_indices, own.kv_indices)
+        put(self.l1_last, own.kv_last_page_len + [0] * pad)
 
     def _attention(self, batch: int, cascade: bool, groups: int):
         runner = self.runner
         pool, layout, scale = runner.pool, runner.config.kv_layout, runner.sm_scale
-        flat = (self.flat_indptr[:batch + 1], self.flat_indices, self.flat_last[:batch])
         rows, positions = self.append_rows[:batch], self.append_positions[:batch]
+        flat = (self.flat_indptr[:batch + 1], self.flat_indices, self.flat_last[:batch])
         l0 = (self.l0_qo[:groups + 1], self.l0_indptr[:groups + 1], self.l0_indices, self.l0_last[:groups])
         l1 = (self.l1_indptr[:batch + 1], self.l1_indices, self.l1_last[:batch])
+        table = l1 if cascade else flat  # where the new token's page is found
 
         def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             cache = pool.layer(layer)
-            append_paged_kv_cache(k, v, rows, positions, cache, flat[1], flat[0], flat[2], kv_layout=layout,
+            append_paged_kv_cache(k, v, rows, positions, cache, table[1], table[0], table[2], kv_layout=layout,
                                   validate=False)
             if not cascade:
                 return batch_decode_paged(q, cache, *flat, kv_layout=layout, sm_scale=scale, validate=False)[0]
@@ -414,7 +436,7 @@ class DecodeGraphs:
 
     def _capture(self, batch: int, cascade: bool, groups: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         empty = LevelTable([0], [0], [], [])
-        self._fill(batch, [], [empty, empty], groups)
+        self._fill(batch, [], [empty, empty] if cascade else [], groups)
 
         def forward() -> torch.Tensor:
             return self._forward(batch, cascade, groups)
