@@ -379,6 +379,10 @@ def test_cli_generate_streams_and_batches(llama, tmp_path, device, torch_path, c
         assert f"=== prompt {i} ===\n{json.dumps(hf_greedy(model, prompt, 5, device))}  (5 tokens, length)" in out
     with pytest.raises(SystemExit, match="temperature"):
         main(["generate", "--prompt", "[1]", "--temperature", "-1"] + common)
+    with pytest.raises(SystemExit, match="tokenizer"):
+        main(["generate", "--prompt", "no tokenizer here"] + common)
+    with pytest.raises(SystemExit, match="not a directory"):
+        main(["generate", "--prompt", "[1]", "--model", str(tmp_path / "missing")])
 
 
 def test_cli_bench_runs_and_prints_a_table(device, torch_path, capsys, tmp_path):
@@ -411,3 +415,18 @@ def test_cuda_graphs_match_eager(llama, device):
     flat = _llm(path, device, use_cascade=False, record_steps=True, check_metadata=False)
     _check(flat, model, prompts, 12, device)
     assert any(s.graph and s.cascade is False for s in flat.step_stats)
+
+
+@pytest.mark.gpu
+def test_realistic_head_dim_on_gpu(tmp_path, device):
+    """head_dim 128, pages of 16, GQA 4, a 600-token shared prefix: the kernels' GPU tiles."""
+    model = _tiny("llama", tmp_path, vocab_size=2000, hidden_size=1024, intermediate_size=2048,
+                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024)
+    gen = torch.Generator().manual_seed(5)
+    prefix = torch.randint(0, 2000, (600,), generator=gen).tolist()
+    prompts = [prefix + torch.randint(0, 2000, (5 + i,), generator=gen).tolist() for i in range(8)]
+    for use_cascade in (True, False):
+        llm = LLM(tmp_path, device=device, dtype=torch.float32, page_size=16, num_pages=512,
+                  use_cascade=use_cascade, record_steps=True)
+        _check(llm, model, prompts, 8, device)
+        assert any(s.graph for s in llm.step_stats)

@@ -271,6 +271,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     check = "skipped" if args.skip_check else correctness_check(device, args.page_size)
     print(f"# check: {check}", flush=True)
+    gc.collect()
     copy_bw = copy_bandwidth(device)
     if copy_bw:
         print(f"# measured copy bandwidth: {copy_bw / 1e9:.0f} GB/s (1 GiB torch copy, read + write)", flush=True)

@@ -84,6 +84,7 @@ def _completion_text(out, llm) -> str:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from cascadeinfer.engine.llm import LLM  # noqa: PLC0415
+    from cascadeinfer.engine.model_loader import ModelLoadError  # noqa: PLC0415
 
     prompts = _read_prompts(args)
     try:
@@ -92,8 +93,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                 stop_token_ids=tuple(args.stop_token_ids or ()))
     except (TypeError, ValueError) as exc:
         raise SystemExit(f"error: {exc}") from None
-    llm = LLM(args.model, **_engine_kwargs(args))
-    stream = llm.stream(prompts, params)
+    try:
+        llm = LLM(args.model, **_engine_kwargs(args))
+        stream = llm.stream(prompts, params)
+    except (ModelLoadError, TypeError, ValueError) as exc:
+        raise SystemExit(f"error: {exc}") from None
     if len(prompts) == 1 and args.n == 1 and not args.no_stream:
         shown = ""
         for _, out in stream:  # print the growing text's new part

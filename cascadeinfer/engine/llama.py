@@ -222,7 +222,7 @@ class LlamaForCausalLM(nn.Module):
         """
         slots = self._slots()
         missing = set(slots)
-        for name, tensor, file in iter_checkpoint_tensors(model_dir):
+        for name, tensor, file in iter_checkpoint_tensors(model_dir, self.device):
             if name not in slots:
                 continue
             dest, start, rows = slots[name]

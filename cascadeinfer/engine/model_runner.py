@@ -330,7 +330,9 @@ class DecodeGraphs:
     """
 
     def __init__(self, runner: ModelRunner, *, capture: bool = True):
-        self.runner = runner
+        # The runner's parts, not the runner: the runner holds this object (no cycle).
+        self.model, self.pool, self.sm_scale, self.page_size = runner.model, runner.pool, runner.sm_scale, runner.page_size
+        self.kv_layout = runner.config.kv_layout
         self.capture = capture
         cfg = runner.config
         dev = cfg.device
@@ -366,7 +368,7 @@ class DecodeGraphs:
         (its page is always the row's last), so positions there are relative to the row's
         first page in that level.
         """
-        ps = self.runner.page_size
+        ps = self.page_size
         n = len(seqs)
         pad = batch - n
 
@@ -408,8 +410,7 @@ class DecodeGraphs:
         put(self.l1_last, own.kv_last_page_len + [0] * pad)
 
     def _attention(self, batch: int, cascade: bool, groups: int):
-        runner = self.runner
-        pool, layout, scale = runner.pool, runner.config.kv_layout, runner.sm_scale
+        pool, layout, scale = self.pool, self.kv_layout, self.sm_scale
         rows, positions = self.append_rows[:batch], self.append_positions[:batch]
         flat = (self.flat_indptr[:batch + 1], self.flat_indices, self.flat_last[:batch])
         l0 = (self.l0_qo[:groups + 1], self.l0_indptr[:groups + 1], self.l0_indices, self.l0_last[:groups])
@@ -432,7 +433,7 @@ class DecodeGraphs:
 
     def _forward(self, batch: int, cascade: bool, groups: int) -> torch.Tensor:
         attention = self._attention(batch, cascade, groups)
-        return self.runner.model(self.input_ids[:batch], self.positions[:batch], attention, None)
+        return self.model(self.input_ids[:batch], self.positions[:batch], attention, None)
 
     def _capture(self, batch: int, cascade: bool, groups: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         empty = LevelTable([0], [0], [], [])
