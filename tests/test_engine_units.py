@@ -210,3 +210,24 @@ def test_seeds_are_reproducible_and_distinct():
     assert sample_seed(7, 0) == 7 and sample_seed(7, 1) != 8
     assert any(draw(7) != draw(s) for s in range(8, 12))
     assert math.isfinite(float(sample_seed(2**63 - 1, 3)))
+
+
+# ---- scheduler ---------------------------------------------------------------------------
+
+
+def test_scheduler_unsticks_prefills_that_hold_every_page():
+    from cascadeinfer.engine.scheduler import Scheduler  # noqa: PLC0415
+    from cascadeinfer.engine.sequence import Status  # noqa: PLC0415
+
+    cache = PrefixCache(_pool(6), enabled=False)
+    sched = Scheduler(cache, max_num_seqs=4, max_num_batched_tokens=64)
+    old, young = _seq(0, list(range(10))), _seq(1, list(range(10, 20)))
+    for seq in (old, young):  # both half prefilled, the pool full
+        seq.pages = cache.allocate(3)
+        seq.num_computed = 6
+        seq.status = Status.RUNNING
+        sched.running.append(seq)
+    batch = sched.schedule()
+    assert batch.preempted == [young] and sched.num_preemptions == 1
+    # the old one finishes its prompt; the young one restarts from token 0 in the page left
+    assert batch.prefill == [(old, 4), (young, 2)] and len(old.pages) == 5 and len(young.pages) == 1

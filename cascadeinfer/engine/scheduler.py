@@ -100,6 +100,20 @@ class Scheduler:
         self.add(seq)
 
     def schedule(self) -> ScheduledBatch:
+        """Plan the next step. Should every running sequence be stuck (prefills waiting for
+        pages that other prefills hold), the youngest is preempted until one can move: the
+        oldest alone always fits, since no request needs more pages than the pool has."""
+        preempted = []
+        while True:
+            batch = self._schedule_once()
+            batch.preempted[:0] = preempted
+            if batch or not self.running:
+                return batch
+            victim = self.running[-1]
+            self.preempt(victim)
+            preempted.append(victim)
+
+    def _schedule_once(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
 
