@@ -9,9 +9,10 @@ and a sequence cap (``max_num_seqs``):
    released, back to the waiting queue), possibly the one asking.
 2. **Prefill, continued**: running sequences in the middle of a long prompt get their
    next chunk, as far as budget and pages allow (no preemption for these).
-3. **Admission**: waiting sequences, oldest first, reuse cached prefix pages and get
-   their first chunk. Admission stops at the first one that does not fit, or whose
-   prefix another sequence is computing this very moment (it will hit the cache next step).
+3. **Admission** (unless this step preempted): waiting sequences, oldest first, reuse
+   cached prefix pages and get their first chunk. Admission stops at the first one that
+   does not fit, or whose prefix another sequence is computing this very moment (it will
+   hit the cache next step).
 
 A step therefore mixes prefill chunks and decode tokens. A preempted sequence keeps its
 tokens; when it is admitted again its prefill recomputes prompt and generated tokens,
@@ -140,7 +141,9 @@ class Scheduler:
                 batch.prefill.append((seq, n))
                 budget -= n
 
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:  # 3. admission
+        # 3. admission; not in a step that preempted (the pages just freed went to an older
+        # sequence; admitting the victim again at once would only redo its prefill)
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
             seq = self.waiting[0]
             hits, blocked = self.cache.match(seq)
             if blocked:
