@@ -171,8 +171,8 @@ class StepAttention:
                                  sm_scale=self.sm_scale, out=out[:p], validate=self.validate)
         elif p:
             batch_prefill_paged(q[:p], self.prefill_qo_indptr, cache, self.kv_indptr[:rows + 1],
-                                self.kv_indices[:self.num_prefill_pages], self.kv_last_page_len[:rows], causal=True, kv_layout=self.kv_layout,
-                                sm_scale=self.sm_scale, out=out[:p], validate=self.validate)
+                                self.kv_indices[:self.num_prefill_pages], self.kv_last_page_len[:rows], causal=True,
+                                kv_layout=self.kv_layout, sm_scale=self.sm_scale, out=out[:p], validate=self.validate)
         if self.decode is not None:
             self.decode.run(q[p:], cache, out=out[p:], sm_scale=self.sm_scale)
         return out
@@ -205,7 +205,7 @@ class ModelRunner:
     def _plan_decode(self, levels: list[LevelTable]) -> MultiLevelCascadeAttention:
         mc = self.model.config
         attn = MultiLevelCascadeAttention(len(levels), kv_layout=self.config.kv_layout, device=self.config.device)
-        as_t = lambda name: [torch.tensor(getattr(lv, name), dtype=torch.int32) for lv in levels]  # noqa: E731
+        as_t = lambda name: [_host_tensor(getattr(lv, name), torch.int32) for lv in levels]  # noqa: E731
         attn.plan(as_t("qo_indptr"), as_t("kv_indptr"), as_t("kv_indices"), as_t("kv_last_page_len"),
                   mc.num_qo_heads, mc.num_kv_heads, mc.head_dim, self.page_size, causal=False,
                   sm_scale=self.sm_scale, num_pages=self.pool.num_pages, dtype=self.pool.dtype,
@@ -354,7 +354,9 @@ class DecodeGraphs:
         self.l0_indices, self.l0_last = torch.zeros(cap, **i32), torch.zeros(b, **i32)
         self.l1_indptr, self.l1_indices, self.l1_last = (torch.zeros(b + 1, **i32), torch.zeros(cap, **i32),
                                                          torch.zeros(b, **i32))
-        self.graphs: dict[tuple[int, bool, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # Every graph writes its logits here (one buffer, not one per graph: [batch, vocab] fp32 is big).
+        self.logits = torch.empty(b, runner.model.config.vocab_size, dtype=torch.float32, device=dev)
+        self.graphs: dict[tuple[int, bool, int], torch.cuda.CUDAGraph] = {}
         self.mempool = torch.cuda.graph_pool_handle() if capture else None
 
     def bucket(self, n: int) -> int:
@@ -435,12 +437,12 @@ class DecodeGraphs:
         attention = self._attention(batch, cascade, groups)
         return self.model(self.input_ids[:batch], self.positions[:batch], attention, None)
 
-    def _capture(self, batch: int, cascade: bool, groups: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, batch: int, cascade: bool, groups: int) -> torch.cuda.CUDAGraph:
         empty = LevelTable([0], [0], [], [])
         self._fill(batch, [], [empty, empty] if cascade else [], groups)
 
-        def forward() -> torch.Tensor:
-            return self._forward(batch, cascade, groups)
+        def forward() -> None:
+            self.logits[:batch].copy_(self._forward(batch, cascade, groups))
 
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -449,8 +451,8 @@ class DecodeGraphs:
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.mempool):
-            logits = forward()
-        return graph, logits
+            forward()
+        return graph
 
     def run(self, seqs: list[Sequence], levels: list[LevelTable], cascade: bool) -> torch.Tensor:
         """Replay (capturing first if new) the step for ``seqs``; float32 logits ``[n, vocab]``."""
@@ -464,8 +466,7 @@ class DecodeGraphs:
         key = (batch, cascade, groups)
         if key not in self.graphs:
             self.graphs[key] = self._capture(batch, cascade, groups)
-        graph, logits = self.graphs[key]
         self._fill(batch, seqs, levels if cascade else [], groups)
-        graph.replay()
-        return logits[:len(seqs)]
+        self.graphs[key].replay()
+        return self.logits[:len(seqs)]
 
