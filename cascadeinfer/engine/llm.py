@@ -262,14 +262,11 @@ class LLM:
             seq.tokens.append(token)
             if token in req.stop_ids:
                 self.scheduler.finish(seq, "stop")
-            elif len(seq.tokens) - seq.prompt_len >= seq.params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            elif seq.num_tokens - seq.prompt_len >= seq.params.max_tokens or seq.num_tokens >= self.config.max_model_len:
                 self.scheduler.finish(seq, "length")
             touched[seq.request_id] = None
-        if self.config.record_steps:
-            if self.config.device.type == "cuda":
-                torch.cuda.synchronize(self.config.device)
-            self.step_stats.append(StepStats(stats.num_prefill_tokens, stats.num_decode, stats.cascade, stats.graph,
-                                             stats.kv_tokens_read, time.perf_counter() - t0))
+        if self.config.record_steps:  # the device is idle: .tolist() above waited for it
+            self.step_stats.append(replace(stats, seconds=time.perf_counter() - t0))
         outputs = [self._output(self._requests[rid]) for rid in touched]
         for out in outputs:
             if out.finished:
