@@ -406,8 +406,8 @@ def test_cli_bench_runs_and_prints_a_table(device, torch_path, capsys, tmp_path)
 def test_cuda_graphs_match_eager(llama, device):
     path, model = llama
     prompts = SHARED + UNSHARED
-    graphs = _llm(path, device, record_steps=True, check_metadata=False)
-    eager = _llm(path, device, enforce_eager=True)
+    graphs = _llm(path, device, use_cascade=True, record_steps=True, check_metadata=False)
+    eager = _llm(path, device, use_cascade=True, enforce_eager=True)
     a = _check(graphs, model, prompts, 12, device)
     b = _check(eager, model, prompts, 12, device)
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
