@@ -19,7 +19,8 @@ def random_tree(rng: random.Random, num_levels: int, batch: int, max_len: int, p
                 queries_per_request: int, causal: bool):
     """A random cascade: level 0 shared by all, middle levels by random groups, then one
     group per request. Returns per-level CSR tables and each request's full key list."""
-    group_of = [[0] * batch]
+    # One level is plain per-request attention; with more, level 0 is shared by all.
+    group_of = [list(range(batch)) if num_levels == 1 else [0] * batch]
     for _ in range(1, num_levels - 1):  # middle levels: contiguous random groups
         cuts = sorted(rng.sample(range(1, batch), rng.randint(0, batch - 1))) if batch > 1 else []
         bounds = [0, *cuts, batch]
@@ -31,15 +32,15 @@ def random_tree(rng: random.Random, num_levels: int, batch: int, max_len: int, p
         num_groups = groups[-1] + 1
         last = lv == num_levels - 1
         lens = [rng.choice([0, 1, page_size, rng.randint(0, max_len)]) for _ in range(num_groups)]
-        if last and causal:
-            lens = [max(n, queries_per_request) for n in lens]
+        counts = [groups.count(g) * queries_per_request for g in range(num_groups)]
+        if last and causal:  # causal queries are the last tokens of their group's keys
+            lens = [max(n, c) for n, c in zip(lens, counts)]
         if not last and rng.random() < 0.5:  # whole pages above the last level allow flat decode
             lens = [math.ceil(n / page_size) * page_size for n in lens]
         pages = [list(range(next_page + sum(math.ceil(m / page_size) for m in lens[:g]),
                             next_page + sum(math.ceil(m / page_size) for m in lens[:g + 1])))
                  for g in range(num_groups)]
         next_page += sum(len(p) for p in pages)
-        counts = [groups.count(g) * queries_per_request for g in range(num_groups)]
         levels.append(dict(lens=lens, pages=pages, counts=counts, groups=groups))
     return levels, next_page
 
