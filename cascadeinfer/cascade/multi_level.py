@@ -17,9 +17,7 @@ import torch
 
 from cascadeinfer._checks import FLOAT_DTYPES, check_tensor, default_sm_scale, normalize_device
 from cascadeinfer.cascade.plan import HostLevel, choose_cascade, flat_page_table, host_levels
-from cascadeinfer.kernels.decode import batch_decode_paged
-from cascadeinfer.kernels.merge import merge_state
-from cascadeinfer.kernels.prefill import batch_prefill_paged
+from cascadeinfer.ops import split_cache
 from cascadeinfer.layouts.paged_cache import check_kv_layout, unpack_paged_kv_cache
 
 
@@ -154,15 +152,17 @@ class MultiLevelCascadeAttention:
         self.sm_scale = default_sm_scale(head_dim, sm_scale)
         self._planned = True
 
-    def _level_state(self, level: _DeviceLevel, q, cache, causal, sm_scale, out=None, lse=None):
+    def _level_state(self, level: _DeviceLevel, q, k_cache, v_cache, causal, sm_scale, out, lse) -> None:
+        """One level's state into ``out``/``lse``, through the custom ops (see cascadeinfer.ops)."""
         if level.decode:
             # One query per group: causal changes nothing (the query sees every key).
-            return batch_decode_paged(
-                q, cache, level.kv_indptr, level.kv_indices, level.kv_last_page_len, kv_layout=self.kv_layout,
-                sm_scale=sm_scale, num_splits=level.num_splits, out=out, lse=lse, validate=False)
-        return batch_prefill_paged(
-            q, level.qo_indptr, cache, level.kv_indptr, level.kv_indices, level.kv_last_page_len,
-            causal=causal, kv_layout=self.kv_layout, sm_scale=sm_scale, out=out, lse=lse, validate=False)
+            torch.ops.cascadeinfer.batch_decode_paged(
+                q, k_cache, v_cache, level.kv_indptr, level.kv_indices, level.kv_last_page_len,
+                self.kv_layout, sm_scale, level.num_splits, out, lse)
+        else:
+            torch.ops.cascadeinfer.batch_prefill_paged(
+                q, level.qo_indptr, k_cache, v_cache, level.kv_indptr, level.kv_indices,
+                level.kv_last_page_len, causal, self.kv_layout, sm_scale, out, lse)
 
     def run(
         self,
@@ -201,15 +201,20 @@ class MultiLevelCascadeAttention:
             out = torch.empty_like(q)
         if lse is None:
             lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        k_cache, v_cache = split_cache(paged_kv_cache)
         if not self.use_cascade:
-            self._level_state(self._flat, q, paged_kv_cache, self.causal, scale, out, lse)
+            self._level_state(self._flat, q, k_cache, v_cache, self.causal, scale, out, lse)
         elif self.num_levels == 1:
-            self._level_state(self._levels[0], q, paged_kv_cache, self.causal, scale, out, lse)
+            self._level_state(self._levels[0], q, k_cache, v_cache, self.causal, scale, out, lse)
         else:
-            o_acc, lse_acc = self._level_state(self._levels[0], q, paged_kv_cache, False, scale)
+            # Each level's state, merged into the running one; the last merge writes the result.
+            o_acc, lse_acc = torch.empty_like(q), torch.empty_like(lse)
+            self._level_state(self._levels[0], q, k_cache, v_cache, False, scale, o_acc, lse_acc)
             for i in range(1, self.num_levels):
                 last = i == self.num_levels - 1
-                o_i, lse_i = self._level_state(self._levels[i], q, paged_kv_cache, self.causal and last, scale)
-                o_acc, lse_acc = merge_state(o_acc, lse_acc, o_i, lse_i,
-                                             out=out if last else None, out_lse=lse if last else None)
+                o_i, lse_i = torch.empty_like(q), torch.empty_like(lse)
+                self._level_state(self._levels[i], q, k_cache, v_cache, self.causal and last, scale, o_i, lse_i)
+                o_next, lse_next = (out, lse) if last else (torch.empty_like(q), torch.empty_like(lse))
+                torch.ops.cascadeinfer.merge_state(o_acc, lse_acc, o_i, lse_i, o_next, lse_next)
+                o_acc, lse_acc = o_next, lse_next
         return (out, lse) if return_lse else out
