@@ -186,6 +186,52 @@ def test_paged_strided_q_and_out(device):
     check_state(out, lse, *ref, torch.float16)
 
 
+@pytest.mark.parametrize("page_size,causal", [(3, False), (32, True), (1, False)])
+def test_paged_full_tiles_any_page_size(device, page_size, causal):
+    """Many unmasked key tiles per program (their page ids are fetched one tile ahead and
+    carried in registers): a page size that does not divide the 16-key tile, one larger
+    than it, and pages of one token; two KV splits."""
+    run_paged(device, qo_lens=[3, 2], kv_lens=[150, 97], num_kv_heads=1, group=4, head_dim=64,
+              dtype=torch.float16, page_size=page_size, causal=causal, num_splits=2, config=SMALL, seed=9)
+
+
+def test_running_max_grows_every_tile(device):
+    """Keys whose scores grow along the sequence: the running max moves at every key tile
+    (every rescale of acc and l is exercised), across splits, with large logits."""
+    gen = torch.Generator().manual_seed(10)
+    hkv, group, d, dtype = 1, 4, 64, torch.bfloat16
+    cache, table = make_paged(device, kv_lens=[130], page_size=16, num_kv_heads=hkv, head_dim=d, dtype=dtype,
+                              gen=gen)
+    growth = torch.linspace(0.2, 4.0, cache.shape[0] * 16).reshape(cache.shape[0], 16, 1, 1)
+    order = table.kv_indices.cpu().long()  # scale the pages in the order the row reads them
+    scale = torch.ones(cache.shape[0], 16, 1, 1)
+    scale[order] = growth[: order.numel()]
+    cache[:, 0] = (cache[:, 0].float().cpu() * scale).to(dtype).to(device)
+    q = _randn((3, hkv * group, d), dtype, device, gen) * 3
+    qo_indptr = indptr_from_lengths([3], device=device)
+    args = (q, qo_indptr, cache, table.kv_indptr, table.kv_indices, table.kv_last_page_len)
+    ref = P.batch_prefill_paged_ref(*args)
+    assert ref[1].max() > 15, "the test wants large logits"
+    source = P._paged_source(unpack_paged_kv_cache(cache, "NHD"), *args[3:])
+    for splits in (1, 3):
+        out, lse = poisoned(q)
+        P._run(q, qo_indptr, source, out, lse, causal=False, sm_scale=d ** -0.5, num_splits=splits, config=SMALL)
+        check_state(out, lse, *ref, dtype)
+
+
+def test_default_tile_config_follows_rows_per_group():
+    """Few rows per group get small tiles (no 128-row padding); long groups the tuned 128x128."""
+    bf16 = torch.bfloat16
+    assert P.default_tile_config(128, bf16) == P.TileConfig(128, 128, 8, 3)
+    assert P.default_tile_config(128, bf16, 4).block_m == 16
+    assert P.default_tile_config(128, bf16, 32).block_m == 32
+    assert P.default_tile_config(96, torch.float16, 60).block_m == 64
+    assert P.default_tile_config(64, bf16, 65).block_m == 128
+    assert P.default_tile_config(256, bf16, 8) == P.TileConfig(16, 32, 4, 3)
+    assert P.default_tile_config(256, bf16, 500) == P.TileConfig(128, 32, 8, 3)
+    assert P.default_tile_config(128, torch.float32, 4).block_m == 32  # float32 keeps its FMA tiles
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     qo_lens=st.lists(st.integers(0, 9), min_size=1, max_size=4),
@@ -495,6 +541,16 @@ def test_gpu_head_dims(head_dim, dtype, causal):
               head_dim=head_dim, dtype=dtype, page_size=16, causal=causal)
     run_ragged(torch.device("cuda"), qo_lens=[40, 0, 130], kv_lens=[600, 50, 100], hkv=2, group=7,
                head_dim=head_dim, dtype=dtype, causal=causal, strided_kv=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("queries,head_dim", [(1, 128), (8, 128), (16, 128), (2, 256)])
+def test_gpu_small_groups(queries, head_dim):
+    """Cascade middle levels and decode-like groups (few rows per group: 16-64-row tiles),
+    ragged KV lengths, bf16, Hq=32 Hkv=8."""
+    lens = [300 + 97 * i for i in range(24)]
+    run_paged(torch.device("cuda"), qo_lens=[queries] * 24, kv_lens=lens, num_kv_heads=8, group=4,
+              head_dim=head_dim, dtype=torch.bfloat16, page_size=16)
 
 
 @pytest.mark.gpu

@@ -30,6 +30,17 @@ How the kernel is laid out (the ideas of FlashAttention-2 and Triton's
   merges them.
 * **Masked work apart.** Key tiles every row of the tile sees in full run without masks;
   only the last partial tile and the causal diagonal band run the masked loop.
+* **Pipelined page gather.** In the unmasked loop the page ids of the next key tile are
+  loaded one iteration ahead and carried in registers, so the K/V loads (16-byte
+  ``cp.async`` per row, at ``page * stride_page + slot * stride_token``; K and V of a
+  paged cache share those strides, hence one offset) depend on no load of their own
+  iteration and Triton keeps ``num_stages - 1`` tiles in flight. A page-id load inside the
+  iteration makes them indirect loads, which Triton 3.6 issues one tile ahead and waits
+  for at once: the former kernel's 0.31-0.35 of the bf16 matmul rate on an H200, against
+  0.49-0.65 now (benchmarks/NOTES.md). ``PAGE_SIZE`` is a compile-time constant (a mask
+  for powers of two, a multiply-shift otherwise).
+* **Tiles from shapes.** 128x128 tiles, 8 warps, 3 stages for long groups; groups of
+  few packed rows (cascade middle levels) get 16-64-row tiles (:func:`default_tile_config`).
 
 Precision: dot operands stay in the storage dtype (fp16 / bf16 on tensor cores), the
 softmax and accumulators are float32. For float32 inputs both dots use
@@ -96,7 +107,34 @@ def _load_tile(
 
 
 @triton.jit
-def _attn_tiles(
+def _softmax_step(
+    acc,  # [BLOCK_M, BLOCK_D] float32
+    l_i,  # [BLOCK_M] float32
+    m_i,  # [BLOCK_M] float32, log2 units
+    s,  # [BLOCK_M, BLOCK_N] float32 raw scores q·k (masked entries -inf)
+    v,  # [BLOCK_N, BLOCK_D] storage dtype
+    qk_scale,
+    MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One key tile's online-softmax update of ``(acc, l, m)``."""
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # log2 units (qk_scale > 0 keeps the max)
+    if MASKED:
+        # A row that has seen no key yet keeps m = -inf; subtract 0 there so that
+        # exp2(-inf - 0) = 0 instead of exp2(-inf - -inf) = NaN.
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_sub = m_new  # every row sees every key of an unmasked tile: m_new is finite
+    p = tl.math.exp2(s * qk_scale - m_sub[:, None])  # one FMA per score
+    alpha = tl.math.exp2(m_i - m_sub)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _full_tiles(
     acc,  # [BLOCK_M, BLOCK_D] float32, un-normalised output
     l_i,  # [BLOCK_M] float32, running sum of exp2(score - m_i)
     m_i,  # [BLOCK_M] float32, running max score in log2 units (-inf: nothing seen yet)
@@ -104,59 +142,91 @@ def _attn_tiles(
     k_ptr,  # K of this KV head (head offset applied; ragged: group start applied too)
     v_ptr,  # V of this KV head, like k_ptr
     page_ptr,  # [pages of this group] int32 page ids (PAGED only)
-    lo,  # first key of the range (a multiple of BLOCK_N from the split start)
-    hi,  # end of the range: tiles are [lo, hi) in steps of BLOCK_N
-    row_hi,  # [BLOCK_M] int32, keys < row_hi are visible to a row (MASKED only)
-    page_size,
-    stride_kp,
-    stride_kt,
-    stride_vp,
-    stride_vt,
+    lo,  # first key (a multiple of BLOCK_N from the split start)
+    hi,  # end: [lo, hi) is whole BLOCK_N tiles that every row sees in full
+    stride_kp,  # paged: page stride of K and V (they share it)
+    stride_kt,  # token stride of K (paged: of V too)
+    stride_vt,  # ragged only: token stride of V
     qk_scale,  # sm_scale * log2(e): scores come out in log2 units
-    MASKED: tl.constexpr,  # mask keys per row (last partial tile, causal diagonal)
     PAGED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Fold the key tiles ``[lo, hi)`` into the online-softmax state ``(acc, l, m)``."""
+    """Fold the full key tiles ``[lo, hi)`` into ``(acc, l, m)``: no key mask at all.
+
+    Paged: the page ids of tile ``i + 1`` are loaded during tile ``i`` and carried in
+    registers, so the K/V loads of a tile depend on no load of the same iteration and
+    Triton's pipeliner keeps ``num_stages - 1`` tiles of them in flight (a page-id load
+    inside the iteration makes them an indirect load: one tile ahead, waited at once).
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    if PAGED:
+        last = hi - BLOCK_N
+        page = tl.load(page_ptr + (lo + offs_n) // PAGE_SIZE, mask=lo <= last, other=0)
+    for start in tl.range(lo, hi, BLOCK_N):
+        if PAGED:
+            slot = (start + offs_n) % PAGE_SIZE  # PAGE_SIZE constexpr: a mask or a multiply-shift
+            k_off = page.to(tl.int64) * stride_kp + slot.to(tl.int64) * stride_kt
+            v_off = k_off  # paged K and V views share their strides (one PagedKV)
+            # The next tile's page ids (the last tile re-reads its own: no mask needed).
+            page = tl.load(page_ptr + (tl.minimum(start + BLOCK_N, last) + offs_n) // PAGE_SIZE)
+        else:
+            t = (start + offs_n).to(tl.int64)
+            k_off = t * stride_kt
+            v_off = t * stride_vt
+        k = _load_tile(k_ptr + k_off[:, None] + offs_d[None, :], offs_n, offs_d, False, HEAD_DIM, BLOCK_D)
+        v = _load_tile(v_ptr + v_off[:, None] + offs_d[None, :], offs_n, offs_d, False, HEAD_DIM, BLOCK_D)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N], unscaled
+        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, s, v, qk_scale, False, DOT_PRECISION)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _masked_tiles(
+    acc,  # [BLOCK_M, BLOCK_D] float32
+    l_i,  # [BLOCK_M] float32
+    m_i,  # [BLOCK_M] float32, log2 units
+    q,  # [BLOCK_M, BLOCK_D] storage dtype
+    k_ptr,  # like _full_tiles
+    v_ptr,
+    page_ptr,
+    lo,  # first key (a multiple of BLOCK_N from the split start)
+    hi,  # keys >= hi are never read
+    row_hi,  # [BLOCK_M] int32, keys < row_hi are visible to a row
+    stride_kp,
+    stride_kt,
+    stride_vt,
+    qk_scale,
+    PAGED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """The key tiles ``[lo, hi)`` with per-row key limits (the last partial tile, the
+    causal diagonal band): a few tiles per program, plain per-token addressing."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     for start in tl.range(lo, hi, BLOCK_N):
         t = start + offs_n  # [BLOCK_N] key positions in the group's sequence
         t_ok = t < hi
         if PAGED:
-            if MASKED:
-                page = tl.load(page_ptr + t // page_size, mask=t_ok, other=0)
-            else:
-                page = tl.load(page_ptr + t // page_size)
-            page = page.to(tl.int64)
-            slot = (t % page_size).to(tl.int64)
-            k_off = page * stride_kp + slot * stride_kt
-            v_off = page * stride_vp + slot * stride_vt
+            page = tl.load(page_ptr + t // PAGE_SIZE, mask=t_ok, other=0).to(tl.int64)
+            k_off = page * stride_kp + (t % PAGE_SIZE).to(tl.int64) * stride_kt
+            v_off = k_off  # paged K and V views share their strides
         else:
             k_off = t.to(tl.int64) * stride_kt
             v_off = t.to(tl.int64) * stride_vt
-        k = _load_tile(k_ptr + k_off[:, None] + offs_d[None, :], t_ok, offs_d, MASKED, HEAD_DIM, BLOCK_D)
-        v = _load_tile(v_ptr + v_off[:, None] + offs_d[None, :], t_ok, offs_d, MASKED, HEAD_DIM, BLOCK_D)
-
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N], unscaled
-        if MASKED:
-            s = tl.where(t[None, :] < row_hi[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # log2 units (qk_scale > 0 keeps the max)
-        if MASKED:
-            # A row that has seen no key yet keeps m = -inf; subtract 0 there so that
-            # exp2(-inf - 0) = 0 instead of exp2(-inf - -inf) = NaN.
-            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_sub = m_new  # every row sees every key of an unmasked tile: m_new is finite
-        p = tl.math.exp2(s * qk_scale - m_sub[:, None])  # one FMA per score
-        alpha = tl.math.exp2(m_i - m_sub)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-        m_i = m_new
+        k = _load_tile(k_ptr + k_off[:, None] + offs_d[None, :], t_ok, offs_d, True, HEAD_DIM, BLOCK_D)
+        v = _load_tile(v_ptr + v_off[:, None] + offs_d[None, :], t_ok, offs_d, True, HEAD_DIM, BLOCK_D)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        s = tl.where(t[None, :] < row_hi[:, None], s, float("-inf"))
+        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, s, v, qk_scale, True, DOT_PRECISION)
     return acc, l_i, m_i
 
 
@@ -175,14 +245,13 @@ def _prefill_kernel(
     num_groups,
     one_group_qo_len,  # ONE_GROUP only: the number of queries
     one_group_kv_len,  # ONE_GROUP only: the number of keys
-    page_size,
     stride_qt,
     stride_qh,
-    stride_kp,
+    stride_kp,  # paged: K and V share their page and token strides (one PagedKV)
     stride_kt,
     stride_kh,
-    stride_vp,
-    stride_vt,
+    stride_vp,  # not read: paged V uses stride_kp, ragged has no pages
+    stride_vt,  # ragged only (paged V uses stride_kt)
     stride_vh,
     stride_ot,
     stride_os,
@@ -192,6 +261,7 @@ def _prefill_kernel(
     stride_lh,
     qk_scale,  # sm_scale * log2(e)
     GROUP_SIZE: tl.constexpr,  # query heads per KV head
+    PAGE_SIZE: tl.constexpr,  # tokens per page (PAGED; 1 otherwise)
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -231,7 +301,7 @@ def _prefill_kernel(
         kv_end = tl.load(kv_indptr_ptr + group + 1)
         if PAGED:
             last_len = tl.load(kv_last_page_len_ptr + group)
-            kv_len = tl.where(kv_end > kv_start, (kv_end - kv_start - 1) * page_size + last_len, 0)
+            kv_len = tl.where(kv_end > kv_start, (kv_end - kv_start - 1) * PAGE_SIZE + last_len, 0)
         else:
             kv_len = kv_end - kv_start
     row0 = local_tile * BLOCK_M
@@ -280,17 +350,17 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    acc, l_i, m_i = _attn_tiles(
-        acc, l_i, m_i, q, k_head, v_head, page_ptr, split_lo, full_end, row_lim,
-        page_size, stride_kp, stride_kt, stride_vp, stride_vt, qk_scale,
-        False, PAGED, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION,
+    acc, l_i, m_i = _full_tiles(
+        acc, l_i, m_i, q, k_head, v_head, page_ptr, split_lo, full_end,
+        stride_kp, stride_kt, stride_vt, qk_scale,
+        PAGED, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION,
     )
     # Chunks are whole BLOCK_N tiles, so no masked tile straddles a split boundary other
     # than kv_len itself: row_lim (<= kv_len) is the only per-row limit needed.
-    acc, l_i, m_i = _attn_tiles(
+    acc, l_i, m_i = _masked_tiles(
         acc, l_i, m_i, q, k_head, v_head, page_ptr, full_end, masked_end, row_lim,
-        page_size, stride_kp, stride_kt, stride_vp, stride_vt, qk_scale,
-        True, PAGED, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION,
+        stride_kp, stride_kt, stride_vt, qk_scale,
+        PAGED, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION,
     )
 
     # ---- normalise and store; a row that saw no key stores (0, -inf)
@@ -334,23 +404,37 @@ def _block_d(head_dim: int) -> int:
     return max(16, next_power_of_2(head_dim))
 
 
-def default_tile_config(head_dim: int, dtype: torch.dtype) -> TileConfig:
-    """Tiles for the H100 (227 KiB shared memory, 255 registers per thread).
+def default_tile_config(head_dim: int, dtype: torch.dtype, rows_per_group: int | None = None) -> TileConfig:
+    """Tiles for Hopper (227 KiB shared memory, 255 registers per thread), from shapes only.
 
-    Shared memory per program is about ``(BLOCK_M + 2 * stages * BLOCK_N) * BLOCK_D *
-    itemsize``; the float32 accumulator ``BLOCK_M x BLOCK_D`` lives in registers. Every
-    choice below was compiled for sm_90 and has no register spills (ptxas -v): fp16/bf16
-    use ``wgmma``; float32 with ``input_precision="ieee"`` runs on FMA units, which hold
-    both operands in registers, hence its small tiles.
+    ``rows_per_group`` is the average number of packed rows (queries × query heads per KV
+    head) of a group, ``None`` for many. Shared memory per program is about ``(BLOCK_M +
+    2 * stages * BLOCK_N) * BLOCK_D * itemsize``; the float32 accumulator ``BLOCK_M x
+    BLOCK_D`` lives in registers. Every choice below was compiled for sm_90 and keeps its
+    key loop free of register spills (ptxas -v, SASS); fp16/bf16 tiles of 64+ rows use
+    ``wgmma``. Float32 with ``input_precision="ieee"`` runs on FMA units, which hold both
+    operands in registers, hence its small tiles. Measured on an H200 (benchmarks/NOTES.md):
+    128x128 with 3 stages is the fastest for long shared prefixes (0.49-0.65 of the bf16
+    matmul rate vs 0.31-0.35 for the former 128x64 default); groups of a few rows (cascade
+    middle levels, decode-like groups) get tiles of 16-64 rows instead of padding 128.
     """
     block_d = _block_d(head_dim)
+    rows = 1 << 30 if rows_per_group is None else rows_per_group
     if dtype == torch.float32:
         if block_d <= 64:
             return TileConfig(32, 16, 4, 2)
         return TileConfig(32, 16, 8, 2) if block_d <= 128 else TileConfig(16, 16, 8, 2)
     if block_d <= 128:
-        return TileConfig(128, 64, 8, 3)  # bf16 D=128: 96 KiB shared, 190 registers
-    return TileConfig(128, 32, 8, 2)  # D=256: 128 KiB shared, 241 registers
+        if rows <= 16:
+            return TileConfig(16, 64, 4, 3)  # mma.sync, 128 registers: 3 programs per SM
+        if rows <= 32:
+            return TileConfig(32, 64, 4, 3)
+        if rows <= 64:
+            return TileConfig(64, 64, 4, 3)  # 112 KiB shared, 214 registers: 2 programs per SM
+        return TileConfig(128, 128, 8, 3)  # D=128: 224 KiB shared, 255 registers, no spill in the loop
+    if rows <= 16:
+        return TileConfig(16, 32, 4, 3)  # D=256
+    return TileConfig(128, 32, 8, 3)  # D=256: 160 KiB shared, 255 registers
 
 
 @functools.lru_cache(maxsize=None)
@@ -443,6 +527,8 @@ def _launch(
         return
     one_group = qo_indptr is None
     dummy = kv.k  # stands in for pointers the kernel does not read
+    if kv.paged and kv.k_strides[:2] != kv.v_strides[:2]:
+        raise AssertionError("paged K and V views must share page and token strides")  # _paged_source's promise
     grid = (num_tiles, kv.num_kv_heads, num_splits)
     _prefill_kernel[grid](
         q, kv.k, kv.v, o_dest, lse_dest,
@@ -452,13 +538,13 @@ def _launch(
         kv.last_page_len if kv.paged else dummy,
         (num_groups - 1).bit_length(), num_groups,
         nnz_qo, kv.k.shape[0] if one_group else 0,
-        kv.page_size,
         q.stride(0), q.stride(1),
         *kv.k_strides, *kv.v_strides,
         o_dest.stride(0), o_dest.stride(1), o_dest.stride(2),
         lse_dest.stride(0), lse_dest.stride(1), lse_dest.stride(2),
         sm_scale * LOG2E,
         GROUP_SIZE=num_qo_heads // kv.num_kv_heads,
+        PAGE_SIZE=kv.page_size,
         HEAD_DIM=head_dim,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
@@ -486,7 +572,10 @@ def _run(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick tiles and splits from shapes, launch, merge the splits into ``out``/``lse``."""
     nnz_qo, num_qo_heads, head_dim = q.shape
-    config = config or default_tile_config(head_dim, q.dtype)
+    if config is None:
+        num_groups = 1 if qo_indptr is None else max(1, qo_indptr.shape[0] - 1)
+        rows = -(-nnz_qo * (num_qo_heads // kv.num_kv_heads) // num_groups)  # average, from shapes
+        config = default_tile_config(head_dim, q.dtype, rows)
     if num_splits is None:
         num_splits = default_num_splits(_grid_tiles(q, qo_indptr, kv, config)[1], kv.num_kv_heads, kv.max_kv_len,
                                         q.device)
