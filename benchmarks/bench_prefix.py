@@ -51,13 +51,13 @@ QUERIES = (64, 128, 256, 512)
 QUICK_SHAPES = ((128, 8192), (256, 8192), (512, 32768), (128, 65536))
 SWEEP_SHAPES = ((64, 16384), (128, 32768), (256, 8192), (512, 32768))
 FLEX_SHAPES = ((128, 32768), (512, 8192))
-SWEEP_CONFIGS = {
-    "128x64 w8 s3": P.TileConfig(128, 64, 8, 3),
-    "128x64 w8 s4": P.TileConfig(128, 64, 8, 4),
+SWEEP_CONFIGS = {  # the default first; benchmarks/tune_prefix.py holds the wider search
+    "128x128 w8 s3": P.TileConfig(128, 128, 8, 3),
     "128x128 w8 s2": P.TileConfig(128, 128, 8, 2),
-    "128x32 w8 s3": P.TileConfig(128, 32, 8, 3),
+    "128x64 w8 s3": P.TileConfig(128, 64, 8, 3),
     "64x64 w4 s3": P.TileConfig(64, 64, 4, 3),
 }
+SWEEP_SPLITS = (("", 1), (" x2", 2))  # the one-wave split count, and twice it
 LN2 = math.log(2.0)
 SM_SCALE = D ** -0.5
 
@@ -155,7 +155,7 @@ def run_config(q, qo, pool, indptr, indices, last, cfg, splits, layout="NHD", ou
 
 def default_splits(n: int, length: int, dev, cfg: P.TileConfig | None = None) -> int:
     """The split count batch_prefill_paged picks for one group of n queries (pool = the prefix)."""
-    cfg = cfg or P.default_tile_config(D, DTYPE)
+    cfg = cfg or P.default_tile_config(D, DTYPE, n * (HQ // HKV))
     tiles = P.num_m_tiles(n, 1, HQ // HKV, cfg.block_m)
     return P.default_num_splits(tiles, HKV, -(-length // PAGE) * PAGE, dev)
 
@@ -242,14 +242,15 @@ def time_shape(n: int, length: int, copy_bw: float, mm_rate: float, fi, flex) ->
 
 
 def sweep_shape(n: int, length: int, mm_rate: float) -> dict:
-    """Tile configs × split counts (default, half, double) at one shape: fraction of matmul rate."""
+    """Tile configs × split counts (one wave, two waves) at one shape: fraction of matmul rate."""
     sh = Shape(n, length)
     base = default_splits(n, length, sh.qo.device)
     row = dict(n=n, L=length, splits=base)
     fl = flops(n, length)
     for name, cfg in SWEEP_CONFIGS.items():
         cfg_base = default_splits(n, length, sh.qo.device, cfg)
-        for tag, splits in (("", cfg_base), (" /2", max(1, cfg_base // 2)), (" x2", 2 * cfg_base)):
+        for tag, mult in SWEEP_SPLITS:
+            splits = mult * cfg_base
             key = f"{name}{tag}"
             try:
                 t = bench_rotating([sh.config(i, cfg, splits) for i in range(sh.rot)])
@@ -309,7 +310,7 @@ def main() -> None:
         default_config=str(P.default_tile_config(D, DTYPE)), rows=rows, sweep=sweep,
         sweep_configs={k: str(v) for k, v in SWEEP_CONFIGS.items()}))
     if sweep:
-        cols = ["n", "L", "splits"] + [f"{c}{t}" for c in SWEEP_CONFIGS for t in ("", " /2", " x2")]
+        cols = ["n", "L", "splits"] + [f"{c}{t}" for c in SWEEP_CONFIGS for t, _ in SWEEP_SPLITS]
         print("\n## tile configs × split counts (fraction of the bf16 matmul rate)\n")
         print(markdown_table(sweep, cols))
     print(f"\n## batch_prefill_paged, one group of n single-token queries over an L-token shared prefix; "
