@@ -34,6 +34,9 @@ from benchmarks._common import (
 )
 from cascadeinfer._checks import next_power_of_2
 from cascadeinfer.kernels.merge import (
+    _MANY_TILE,
+    _MAX_UNROLL,
+    _TWO_TILE,
     _launch_many,
     _launch_two,
     _tile_config,
@@ -133,10 +136,13 @@ def check_correctness(fi) -> list[str]:
 # ----------------------------------------------------------------------------------
 
 
+REP_MS = 200  # do_bench_cudagraph's rep per timing (--rep-ms)
+
+
 def timed(label: str, impl: str, dtype: torch.dtype, num_states, nbytes: int, make_call, copy_bw: float) -> dict:
     """``make_call()`` builds one input set and returns a zero-argument call on it."""
     calls = [make_call() for _ in range(rotation_count(nbytes))]
-    seconds = bench_rotating(calls)
+    seconds = bench_rotating(calls, rep_ms=REP_MS)
     del calls
     torch.cuda.empty_cache()
     gbps = nbytes / seconds / 1e9
@@ -213,38 +219,47 @@ def run_table(fi, copy_bw: float) -> list[dict]:
 
 
 def run_sweep(copy_bw: float) -> list[dict]:
-    """Launch configs around the default, bf16, through the internal launchers."""
+    """Launch configs around the defaults, bf16, through the internal launchers: the
+    two-state kernel at 1, 2 and 4 vectors a thread, the many-state kernel at the configs
+    that build without spills (benchmarks/tune_merge.py has the full sweep)."""
+    from benchmarks.tune_merge import MANY  # noqa: PLC0415
+
     dtype = torch.bfloat16
     rows = []
-    default = _tile_config(N, H, D, dtype.itemsize, torch.device("cuda", torch.cuda.current_device()))
-    for block_h in (4, 8, 16, 32):
-        for num_warps in (1, 2, 4, 8):
-            if block_h * D // (8 * 32) < num_warps // 2:  # fewer than half a vector per thread
-                continue
-            config = (block_h, next_power_of_2(D), num_warps)
-            tag = f"BLOCK_H={block_h} warps={num_warps}" + (" (default)" if config == default else "")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    two_default = _tile_config(N, H, D, dtype.itemsize, dev, _TWO_TILE)
+    many_default = _tile_config(N, H, D, dtype.itemsize, dev, _MANY_TILE)
+    for block_h, num_warps in ((4, 1), (8, 2), (8, 4), (16, 2), (16, 4), (16, 8), (32, 4), (32, 8)):
+        config = (block_h, next_power_of_2(D), num_warps)
+        tag = f"BLOCK_H={block_h} warps={num_warps}" + (" (default)" if config == two_default else "")
 
-            def make_two(config=config):
-                v, s = states((N, 2), dtype)
-                out, lse = torch.empty(N, H, D, device="cuda", dtype=dtype), torch.empty(N, H, device="cuda")
-                return lambda: _launch_two(v[:, 0], s[:, 0], v[:, 1], s[:, 1], out, lse, None, config=config)
+        def make_two(config=config):
+            v, s = states((N, 2), dtype)
+            out, lse = torch.empty(N, H, D, device="cuda", dtype=dtype), torch.empty(N, H, device="cuda")
+            return lambda: _launch_two(v[:, 0], s[:, 0], v[:, 1], s[:, 1], out, lse, None, config=config)
 
-            rows.append(timed("merge_state", tag, dtype, 2, state_bytes(2, N, dtype), make_two, copy_bw))
-            for unroll in (2, 4, 8):
-                def make_many(config=config, unroll=unroll):
-                    v, s = states((N, 16), dtype)
-                    out, lse = torch.empty(N, H, D, device="cuda", dtype=dtype), torch.empty(N, H, device="cuda")
-                    return lambda: _launch_many(v, s, None, out, lse, config=config, state_blocks=(16, unroll))
+        rows.append(timed("merge_state", tag, dtype, 2, state_bytes(2, N, dtype), make_two, copy_bw))
+    for block_h, num_warps, unroll in MANY:
+        config = (block_h, next_power_of_2(D), num_warps)
+        default = config == many_default and unroll == _MAX_UNROLL
+        tag = f"BLOCK_H={block_h} warps={num_warps} unroll={unroll}" + (" (default)" if default else "")
 
-                rows.append(timed("merge_states", f"{tag} unroll={unroll}", dtype, 16,
-                                  state_bytes(16, N, dtype), make_many, copy_bw))
+        def make_many(config=config, unroll=unroll):
+            v, s = states((N, 16), dtype)
+            out, lse = torch.empty(N, H, D, device="cuda", dtype=dtype), torch.empty(N, H, device="cuda")
+            return lambda: _launch_many(v, s, None, out, lse, config=config, unroll=unroll)
+
+        rows.append(timed("merge_states", tag, dtype, 16, state_bytes(16, N, dtype), make_many, copy_bw))
     return rows
 
 
 def main() -> None:
+    global REP_MS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time a grid of launch configs")
+    parser.add_argument("--rep-ms", type=int, default=REP_MS, help="do_bench_cudagraph rep per timing")
     args = parser.parse_args()
+    REP_MS = args.rep_ms
     torch.manual_seed(0)
     fi = load_flashinfer()
     notes = check_correctness(fi)

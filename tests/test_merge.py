@@ -193,7 +193,8 @@ def test_large_head_dim_is_tiled(device):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tiling_paths(device, dtype):
     """Explicit small tiles: partial head blocks, several head-dim chunks (the last one
-    partial), several LSE tiles in pass 1, whole UNROLL groups plus a tail in pass 2."""
+    partial), whole UNROLL groups plus a masked last group (7 states by 2, rows of 5 and
+    7 states by 4)."""
     n, heads, head_dim = 2, 5, 160
     config = (2, 64, 1)  # BLOCK_H, BLOCK_D, num_warps
     v_a, s_a = random_states((n,), heads, head_dim, dtype, device, seed=6)
@@ -205,13 +206,13 @@ def test_tiling_paths(device, dtype):
 
     v, s = random_states((n, 7), heads, head_dim, dtype, device, seed=8)
     out, out_lse = poisoned((n, heads, head_dim), dtype, device), poisoned((n, heads), torch.float32, device)
-    _launch_many(v, s, None, out, out_lse, config=config, state_blocks=(2, 2))
+    _launch_many(v, s, None, out, out_lse, config=config, unroll=2)
     assert_state(out, out_lse, *merge_states_ref(v, s), dtype)
 
     indptr = torch.tensor([0, 5, 12], dtype=torch.int32, device=device)
     flat_v, flat_s = v.reshape(14, heads, head_dim), s.reshape(14, heads)
     out, out_lse = poisoned((n, heads, head_dim), dtype, device), poisoned((n, heads), torch.float32, device)
-    _launch_many(flat_v, flat_s, indptr, out, out_lse, config=config, state_blocks=(4, 4))
+    _launch_many(flat_v, flat_s, indptr, out, out_lse, config=config, unroll=4)
     assert_state(out, out_lse, *merge_states_ragged_ref(flat_v, flat_s, indptr), dtype)
 
 
@@ -331,6 +332,46 @@ def test_aliasing(device):
     vv, ss = v[:, 0].clone(), s[:, 0].clone()
     merge_state_in_place(vv, ss, vv, ss)
     assert_state(vv, ss, *stack_ref(v[:, 0], s[:, 0], v[:, 0], s[:, 0]), dtype)
+
+
+def test_aliasing_two_state_route(device):
+    """merge_states with 2 states runs the two-state kernel: out = v[:, j] still allowed."""
+    n, heads, head_dim, dtype = 3, 2, 64, torch.float16
+    v, s = random_states((n, 2), heads, head_dim, dtype, device, seed=15)
+    ref = merge_states_ref(v, s)
+    for j in (0, 1):
+        vv, ss = v.clone(), s.clone()
+        merge_states(vv, ss, out=vv[:, j], out_lse=ss[:, j])
+        assert_state(vv[:, j], ss[:, j], *ref, dtype)
+
+
+@pytest.mark.parametrize("num_states", [2, 3, 9])
+@pytest.mark.parametrize(("v_dtype", "out_dtype"), [(torch.float32, torch.bfloat16), (torch.float32, torch.float16),
+                                                    (torch.bfloat16, torch.float32)])
+def test_out_of_another_float_dtype(device, num_states, v_dtype, out_dtype):
+    """merge_states / merge_states_ragged cast at the store (fp32 partials straight into a
+    bf16 output, as decode's stage 2 does); every element written."""
+    n, heads, head_dim = 3, 3, 80
+    v, s = random_states((n, num_states), heads, head_dim, v_dtype, device, seed=16 + num_states)
+    ref_o, ref_lse = merge_states_ref(v, s)
+    out, out_lse = poisoned((n, heads, head_dim), out_dtype, device), poisoned((n, heads), torch.float32, device)
+    o, lse = merge_states(v, s, out=out, out_lse=out_lse)
+    assert o is out
+    assert_state(o, lse, ref_o, ref_lse, out_dtype)
+    indptr = torch.arange(0, n * num_states + 1, num_states, dtype=torch.int32, device=device)
+    out.fill_(math.nan)
+    out_lse.fill_(math.nan)
+    merge_states_ragged(v.flatten(0, 1), s.flatten(0, 1), indptr, out=out, out_lse=out_lse)
+    assert_state(out, out_lse, ref_o, ref_lse, out_dtype)
+
+
+def test_out_of_another_dtype_may_not_alias(device):
+    """Only an output of v's own dtype may be one of the input states."""
+    n, heads, head_dim = 2, 2, 32
+    v, s = random_states((n, 3), heads, head_dim, torch.float32, device, seed=17)
+    bf16_over_v = v.view(-1).view(torch.bfloat16)[: n * heads * head_dim].view(n, heads, head_dim)
+    with pytest.raises(ValueError, match="^out: "):
+        merge_states(v, s, out=bf16_over_v)
 
 
 def test_cpu_fallback_path(device, monkeypatch):

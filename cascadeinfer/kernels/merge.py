@@ -19,9 +19,11 @@ inside, with ``log2(e)`` folded into the natural-log differences)::
 
 Contract shared by all of them:
 
-* values ``v`` are fp16, bf16 or fp32 (all inputs and ``out`` of one dtype); LSEs are
-  float32; accumulation is float32. Any head count and any head dim (non-powers of two
-  are padded to the next power of two and masked; very large head dims are tiled).
+* values ``v`` are fp16, bf16 or fp32 (all inputs of one dtype; ``out`` of the same
+  dtype, except that ``merge_states`` and ``merge_states_ragged`` accept an ``out`` of
+  any of the three and cast at the store); LSEs are float32; accumulation is float32.
+  Any head count and any head dim (non-powers of two are padded to the next power of
+  two and masked; very large head dims are tiled).
 * Inputs may have any strides (slices, transposes, broadcasts) except that the last
   dimension of every value tensor must have stride 1. Outputs may be strided too but
   must not have zero strides. An output may be *exactly* one of the inputs (``out is
@@ -74,7 +76,7 @@ def _merge_two_kernel(
     sa_ptr,  # [n, H] float32, natural log
     vb_ptr,  # [n, H, D] same dtype as va
     sb_ptr,  # [n, H] float32, natural log
-    o_ptr,  # [n, H, D] same dtype as va (may be va_ptr or vb_ptr itself)
+    o_ptr,  # [n, H, D] fp16/bf16/fp32 (may be va_ptr or vb_ptr itself)
     lse_ptr,  # [n, H] float32, natural log (may be sa_ptr or sb_ptr itself)
     mask_ptr,  # [n] uint8 (a bool tensor's bytes); read only when HAS_MASK
     num_heads,
@@ -101,6 +103,16 @@ def _merge_two_kernel(
         # an unmarked row issues no load and no store: it stays bit for bit
         h_ok = h_ok & (tl.load(mask_ptr + row * stride_mask) != 0)
     heads = heads.to(tl.int64)
+    va_rows = va_ptr + row * stride_va_n + heads[:, None] * stride_va_h
+    vb_rows = vb_ptr + row * stride_vb_n + heads[:, None] * stride_vb_h
+    o_rows = o_ptr + row * stride_o_n + heads[:, None] * stride_o_h
+
+    # The first head-dim chunk's values are loaded before the LSE math (they do not
+    # depend on it), so their latency overlaps that of the LSE loads and the division.
+    d = tl.arange(0, BLOCK_D)[None, :]
+    ok = h_ok[:, None] & (d < HEAD_DIM)
+    v_a = tl.load(va_rows + d, mask=ok, other=0.0).to(tl.float32)
+    v_b = tl.load(vb_rows + d, mask=ok, other=0.0).to(tl.float32)
 
     s_a = tl.load(sa_ptr + row * stride_sa_n + heads * stride_sa_h, mask=h_ok, other=float("-inf"))
     s_b = tl.load(sb_ptr + row * stride_sb_n + heads * stride_sb_h, mask=h_ok, other=float("-inf"))
@@ -121,14 +133,12 @@ def _merge_two_kernel(
     lse = tl.where(m == float("-inf"), float("-inf"), m + tl.log2(denom) * _LN2)
     lse = tl.where(bad, float("nan"), lse)
 
-    va_rows = va_ptr + row * stride_va_n + heads[:, None] * stride_va_h
-    vb_rows = vb_ptr + row * stride_vb_n + heads[:, None] * stride_vb_h
-    o_rows = o_ptr + row * stride_o_n + heads[:, None] * stride_o_h
     for d0 in tl.static_range(0, HEAD_DIM, BLOCK_D):
-        d = d0 + tl.arange(0, BLOCK_D)[None, :]
-        ok = h_ok[:, None] & (d < HEAD_DIM)
-        v_a = tl.load(va_rows + d, mask=ok, other=0.0).to(tl.float32)
-        v_b = tl.load(vb_rows + d, mask=ok, other=0.0).to(tl.float32)
+        if d0 > 0:  # compile-time: later chunks load here
+            d = d0 + tl.arange(0, BLOCK_D)[None, :]
+            ok = h_ok[:, None] & (d < HEAD_DIM)
+            v_a = tl.load(va_rows + d, mask=ok, other=0.0).to(tl.float32)
+            v_b = tl.load(vb_rows + d, mask=ok, other=0.0).to(tl.float32)
         # a zero weight contributes exactly zero, whatever its v holds
         o = tl.where(w_a == 0, 0.0, w_a * v_a) + tl.where(w_b == 0, 0.0, w_b * v_b)
         o = tl.where(bad[:, None], float("nan"), o)
@@ -137,18 +147,15 @@ def _merge_two_kernel(
 
 
 @triton.jit
-def _add_state(acc, s_heads, v_tile, j, stride_s_state, stride_v_state, m_safe, log2_l, h_ok, tile_ok):
-    """acc + w_j * v_j for state j, with w_j = exp2((s_j - m) * log2 e - log2 l) final.
+def _add_states(acc, v, s, m_safe, log2_l):
+    """acc + sum_u w_u v_u over a group of states, w_u = exp2((s_u - m) log2 e - log2 l) final.
 
-    s_heads: [BLOCK_H] pointers to state 0's LSEs; v_tile: [BLOCK_H, BLOCK_D] pointers to
-    state 0's values; m_safe, log2_l: [BLOCK_H] from pass 1."""
-    j = tl.cast(j, tl.int64)  # also when j is a plain int (num_states specialised to 1)
-    s_j = tl.load(s_heads + j * stride_s_state, mask=h_ok, other=float("-inf"))
-    v_j = tl.load(v_tile + j * stride_v_state, mask=tile_ok, other=0.0).to(tl.float32)
+    acc: [BLOCK_H, BLOCK_D] fp32; v: [UNROLL, BLOCK_H, BLOCK_D] fp32; s: [UNROLL, BLOCK_H]
+    natural log; m_safe, log2_l: [BLOCK_H] from pass 1."""
     # Base change: the natural-log difference times log2(e); log2_l is already base 2.
-    w = tl.exp2((s_j - m_safe) * _LOG2E - log2_l)[:, None]
+    w = tl.exp2((s - m_safe[None, :]) * _LOG2E - log2_l[None, :])[:, :, None]
     # a zero weight contributes exactly zero, whatever its v holds
-    return acc + tl.where(w == 0, 0.0, w * v_j)
+    return acc + tl.sum(tl.where(w == 0, 0.0, w * v), axis=0)
 
 
 @triton.jit
@@ -156,7 +163,7 @@ def _merge_many_kernel(
     v_ptr,  # dense: [n, num_states, H, D]; ragged: [nnz, H, D]; fp16/bf16/fp32
     s_ptr,  # dense: [n, num_states, H]; ragged: [nnz, H]; float32, natural log
     indptr_ptr,  # ragged: [n + 1] int32, row i owns states indptr[i]:indptr[i+1]; dense: unused
-    o_ptr,  # [n, H, D] same dtype as v
+    o_ptr,  # [n, H, D] fp16/bf16/fp32 (any float dtype, not necessarily v's)
     lse_ptr,  # [n, H] float32, natural log
     num_states,  # dense: states per row; ragged: unused
     num_heads,
@@ -167,14 +174,15 @@ def _merge_many_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,  # heads per program
     BLOCK_D: tl.constexpr,  # head-dim chunk, a power of two
-    BLOCK_S: tl.constexpr,  # states per LSE tile in pass 1
-    UNROLL: tl.constexpr,  # states whose values are loaded together in pass 2
+    UNROLL: tl.constexpr,  # states per value tile (one 3-D load: all in flight together); also the LSE tile
     RAGGED: tl.constexpr,
 ):
     """Pass 1 folds the LSEs with an online max into (m, log2 l); pass 2 streams the
-    values once with final weights, UNROLL states at a time so several loads are in
-    flight. One program owns BLOCK_H heads of one row for all of head_dim, so ``out``
-    may alias one of the row's input states exactly."""
+    values once with final weights, UNROLL states per 3-D tile (one load, so all of its
+    vectors are in flight together; the last tile masked past the row's count). The first
+    value tile is loaded before pass 1 (it does not depend on the LSEs), so its latency
+    overlaps pass 1's. One program owns BLOCK_H heads of one row for all of head_dim, so
+    ``out`` may alias one of the row's input states exactly."""
     num_hblocks = tl.cdiv(num_heads, BLOCK_H)
     pid = tl.program_id(0)
     row = (pid // num_hblocks).to(tl.int64)
@@ -192,15 +200,25 @@ def _merge_many_kernel(
         v_row = v_ptr + row * stride_v_n
         s_row = s_ptr + row * stride_s_n
     s_heads = s_row + heads * stride_s_h  # [BLOCK_H] pointers of state 0
+    v_heads = v_row + heads[:, None] * stride_v_h  # [BLOCK_H, 1] pointers of state 0
+    o_heads = o_ptr + row * stride_o_n + heads[:, None] * stride_o_h
+    u = tl.arange(0, UNROLL)
+    u64 = u.to(tl.int64)
+
+    # Prefetch: the first UNROLL states' values of the first head-dim chunk.
+    d = tl.arange(0, BLOCK_D)[None, :]
+    tile_ok = h_ok[:, None] & (d < HEAD_DIM)  # [BLOCK_H, BLOCK_D]
+    v_first = tl.load(v_heads[None, :, :] + u64[:, None, None] * stride_v_state + d[None, :, :],
+                      mask=(u < count)[:, None, None] & tile_ok[None, :, :], other=0.0)
 
     # Pass 1: m = max LSE (natural log), l = sum of exp2((s - m) * log2 e), bad = any +inf/NaN.
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
     bad = tl.zeros([BLOCK_H], tl.int32)
-    for j0 in range(0, count, BLOCK_S):
-        j = j0 + tl.arange(0, BLOCK_S)
+    for j0 in range(0, count, UNROLL):
+        j = j0 + u64
         ok = (j < count)[:, None] & h_ok[None, :]
-        s = tl.load(s_heads[None, :] + j.to(tl.int64)[:, None] * stride_s_state, mask=ok, other=float("-inf"))
+        s = tl.load(s_heads[None, :] + j[:, None] * stride_s_state, mask=ok, other=float("-inf"))
         bad = tl.maximum(bad, tl.max(((s != s) | (s == float("inf"))).to(tl.int32), axis=0))
         m_new = tl.maximum(m, tl.max(s, axis=0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all empty so far: never -inf - -inf
@@ -214,21 +232,28 @@ def _merge_many_kernel(
     lse = tl.where(m == float("-inf"), float("-inf"), m + log2_l * _LN2)
     lse = tl.where(is_bad, float("nan"), lse)
 
-    # Pass 2: acc = sum_j w_j v_j with final weights w_j = exp2((s_j - m) log2 e - log2 l).
-    v_heads = v_row + heads[:, None] * stride_v_h  # [BLOCK_H, 1] pointers of state 0
-    o_heads = o_ptr + row * stride_o_n + heads[:, None] * stride_o_h
+    # Pass 2: acc = sum_j w_j v_j with final weights, UNROLL states per tile (states past
+    # count load as s = -inf: weight exactly 0).
     for d0 in tl.static_range(0, HEAD_DIM, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)[None, :]
         tile_ok = h_ok[:, None] & (d < HEAD_DIM)
-        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        # whole groups of UNROLL states: one predicate for all their loads, so they issue together
-        for j0 in range(0, count - count % UNROLL, UNROLL):
-            for u in tl.static_range(UNROLL):
-                acc = _add_state(acc, s_heads, v_heads + d, j0 + u, stride_s_state, stride_v_state,
-                                 m_safe, log2_l, h_ok, tile_ok)
-        for j in range(count - count % UNROLL, count):  # the last count % UNROLL states
-            acc = _add_state(acc, s_heads, v_heads + d, j, stride_s_state, stride_v_state,
-                             m_safe, log2_l, h_ok, tile_ok)
+        v_tile = v_heads[None, :, :] + d[None, :, :]  # [1, BLOCK_H, BLOCK_D] pointers of state 0
+        s_first = tl.load(s_heads[None, :] + u64[:, None] * stride_s_state, mask=(u < count)[:, None] & h_ok[None, :],
+                          other=float("-inf"))
+        if d0 == 0:  # compile-time: the first chunk's first tile was prefetched
+            v_u = v_first
+        else:
+            v_u = tl.load(v_tile + u64[:, None, None] * stride_v_state,
+                          mask=(u < count)[:, None, None] & tile_ok[None, :, :], other=0.0)
+        acc = _add_states(tl.zeros([BLOCK_H, BLOCK_D], tl.float32), v_u.to(tl.float32), s_first, m_safe, log2_l)
+        for j0 in range(UNROLL, count, UNROLL):
+            j = j0 + u64
+            live = j < count
+            s_j = tl.load(s_heads[None, :] + j[:, None] * stride_s_state, mask=live[:, None] & h_ok[None, :],
+                          other=float("-inf"))
+            v_j = tl.load(v_tile + j[:, None, None] * stride_v_state,
+                          mask=live[:, None, None] & tile_ok[None, :, :], other=0.0).to(tl.float32)
+            acc = _add_states(acc, v_j, s_j, m_safe, log2_l)
         acc = tl.where(is_bad[:, None], float("nan"), acc)
         tl.store(o_heads + d, acc.to(o_ptr.dtype.element_ty), mask=tile_ok)
     tl.store(lse_ptr + row * stride_lse_n + heads * stride_lse_h, lse, mask=h_ok)
@@ -238,7 +263,16 @@ def _merge_many_kernel(
 # Launch configuration (host side, from sizes only: no autotuning, no host syncs)
 # ----------------------------------------------------------------------------------
 
-_TILE_BYTES = 4096  # values one program holds per state: two 16-byte vectors per thread
+# Defaults from the H200 sweep in benchmarks/tune_merge.py (see benchmarks/NOTES.md):
+# (bytes of values one program holds per state, 16-byte vectors per thread and state).
+# Two states: 2 vectors a thread was best at every tile size (1 or 4: 10-15% slower).
+# Many states: small programs (bf16 D=128: 2 heads, one warp, one vector a thread and
+# state) with 8 states per 3-D tile; larger 3-D tiles cost registers fast and the
+# multi-warp ones ran up to 5x slower.
+_TWO_TILE = (4096, 2)  # the two-state kernel
+_MANY_TILE = (512, 1)  # the many-state kernel
+_MAX_UNROLL = 8  # states per value tile (and LSE tile) in the many-state kernel
+_MAX_UNROLL_FEW = 32  # the same when programs are too few to fill the GPU (latency-bound)
 _MAX_GRID = 2**31 - 1
 
 
@@ -250,29 +284,32 @@ def _min_programs(device: torch.device) -> int:
     return 4 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _tile_config(n: int, num_heads: int, head_dim: int, elem_size: int, device: torch.device) -> tuple[int, int, int]:
-    """(BLOCK_H, BLOCK_D, num_warps): about 4 KiB of values per program and state,
-    16-byte vectors along head_dim, fewer heads per program when rows are few."""
+def _tile_config(n: int, num_heads: int, head_dim: int, elem_size: int, device: torch.device,
+                 tile: tuple[int, int] = _MANY_TILE) -> tuple[int, int, int]:
+    """(BLOCK_H, BLOCK_D, num_warps): about ``tile[0]`` bytes of values per program and
+    state, ``tile[1]`` 16-byte vectors per thread and state along head_dim, fewer heads
+    per program when rows are few (so that every SM gets programs)."""
     min_programs = _min_programs(device)
-    return _tile_config_for(min(n, min_programs), num_heads, head_dim, elem_size, min_programs)
+    return _tile_config_for(min(n, min_programs), num_heads, head_dim, elem_size, min_programs, *tile)
 
 
 @functools.cache
-def _tile_config_for(n: int, num_heads: int, head_dim: int, elem_size: int, min_programs: int) -> tuple[int, int, int]:
-    tile = _TILE_BYTES // elem_size
+def _tile_config_for(n: int, num_heads: int, head_dim: int, elem_size: int, min_programs: int,
+                     tile_bytes: int, vecs_per_thread: int) -> tuple[int, int, int]:
+    tile = tile_bytes // elem_size
     block_d = min(next_power_of_2(head_dim), tile)
     block_h = max(1, min(tile // block_d, next_power_of_2(num_heads)))
     while block_h > 1 and n * triton.cdiv(num_heads, block_h) < min_programs:
         block_h //= 2
     vec = 16 // elem_size
-    num_warps = max(1, min(4, block_h * block_d // (2 * vec * 32)))  # two vectors per thread
+    num_warps = max(1, min(16, block_h * block_d // (vecs_per_thread * vec * 32)))
     return block_h, block_d, num_warps
 
 
-def _state_blocks(states_per_row: int) -> tuple[int, int]:
-    """(BLOCK_S, UNROLL) for a typical number of states per row."""
-    block_s = min(16, next_power_of_2(max(1, states_per_row)))
-    return block_s, min(4, block_s)
+def _unroll(states_per_row: int, few_programs: bool) -> int:
+    """States per value tile for a typical number of states per row: more when the grid
+    is too small to fill the GPU (each tile is one round trip to memory)."""
+    return min(_MAX_UNROLL_FEW if few_programs else _MAX_UNROLL, next_power_of_2(max(1, states_per_row)))
 
 
 def _grid(name: str, n: int, num_heads: int, block_h: int) -> tuple[int]:
@@ -284,7 +321,8 @@ def _grid(name: str, n: int, num_heads: int, block_h: int) -> tuple[int]:
 
 def _launch_two(v_a, s_a, v_b, s_b, out, out_lse, mask, *, config=None) -> None:
     n, num_heads, head_dim = v_a.shape
-    block_h, block_d, num_warps = config or _tile_config(n, num_heads, head_dim, v_a.element_size(), v_a.device)
+    block_h, block_d, num_warps = config or _tile_config(n, num_heads, head_dim, v_a.element_size(), v_a.device,
+                                                         _TWO_TILE)
     mask_bytes = v_a if mask is None else mask.view(torch.uint8)
     _merge_two_kernel[_grid("v_a", n, num_heads, block_h)](
         v_a, s_a, v_b, s_b, out, out_lse, mask_bytes,
@@ -301,7 +339,16 @@ def _launch_two(v_a, s_a, v_b, s_b, out, out_lse, mask, *, config=None) -> None:
     )
 
 
-def _launch_many(v, s, indptr, out, out_lse, *, config=None, state_blocks=None) -> None:
+def _launch_dense(v, s, out, out_lse) -> None:
+    """Dense merge of ``v: [n, S, H, D]``: two states take the two-state kernel (all loads
+    issued up front, no pass over the LSEs first), more take the many-state kernel."""
+    if v.shape[1] == 2:
+        _launch_two(v[:, 0], s[:, 0], v[:, 1], s[:, 1], out, out_lse, None)
+    else:
+        _launch_many(v, s, None, out, out_lse)
+
+
+def _launch_many(v, s, indptr, out, out_lse, *, config=None, unroll=None) -> None:
     """Dense when ``indptr`` is None (v: [n, S, H, D]), else ragged (v: [nnz, H, D])."""
     n, num_heads, head_dim = out.shape
     ragged = indptr is not None
@@ -315,15 +362,14 @@ def _launch_many(v, s, indptr, out, out_lse, *, config=None, state_blocks=None) 
         v_strides = (v.stride(0), v.stride(1), v.stride(2))
         s_strides = (s.stride(0), s.stride(1), s.stride(2))
     block_h, block_d, num_warps = config or _tile_config(n, num_heads, head_dim, v.element_size(), v.device)
-    block_s, unroll = state_blocks or _state_blocks(per_row)
+    unroll = unroll or _unroll(per_row, n * triton.cdiv(num_heads, block_h) < _min_programs(v.device))
     _merge_many_kernel[_grid("v", n, num_heads, block_h)](
         v, s, indptr if ragged else s, out, out_lse,
         num_states, num_heads,
         *v_strides, *s_strides,
         out.stride(0), out.stride(1),
         out_lse.stride(0), out_lse.stride(1),
-        HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_S=block_s, UNROLL=unroll,
-        RAGGED=ragged, num_warps=num_warps,
+        HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, UNROLL=unroll, RAGGED=ragged, num_warps=num_warps,
     )
 
 
@@ -332,11 +378,13 @@ def _launch_many(v, s, indptr, out, out_lse, *, config=None, state_blocks=None) 
 # ----------------------------------------------------------------------------------
 
 
-def _output(name: str, t, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A caller's output tensor, checked, or a fresh one."""
+def _output(name: str, t, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, *,
+            any_float: bool = False) -> torch.Tensor:
+    """A caller's output tensor, checked, or a fresh one of ``dtype``. With ``any_float``
+    a given tensor may have any of FLOAT_DTYPES."""
     if t is None:
         return torch.empty(shape, dtype=dtype, device=device)
-    check_tensor(name, t, dtypes=(dtype,), device=device, shape=shape)
+    check_tensor(name, t, dtypes=FLOAT_DTYPES if any_float else (dtype,), device=device, shape=shape)
     if len(shape) == 3:
         check_last_dim_contiguous(name, t)
     if any(st == 0 and sz > 1 for sz, st in zip(t.shape, t.stride())):
@@ -500,7 +548,9 @@ def merge_states(
     Args:
         v: ``[n, num_states, H, D]`` fp16/bf16/fp32, last dim stride 1.
         s: ``[n, num_states, H]`` float32 natural-log LSE; ``-inf`` marks an empty state.
-        out: optional ``[n, H, D]`` output of v's dtype; may be ``v[:, j]`` itself.
+        out: optional ``[n, H, D]`` output, fp16/bf16/fp32 (default: v's dtype; another
+            float dtype is cast to at the store, e.g. fp32 partial states merged straight
+            into a bf16 output); may be ``v[:, j]`` itself when it has v's dtype.
         out_lse: optional ``[n, H]`` float32 output; may be ``s[:, j]`` itself.
 
     Returns:
@@ -509,14 +559,14 @@ def merge_states(
         ``+inf`` or NaN gives ``(NaN, NaN)`` in that (row, head) only.
     """
     _check_states(("v", "s"), v, s, 4)
-    n, _, num_heads, head_dim = v.shape
-    out = _output("out", out, (n, num_heads, head_dim), v.dtype, v.device)
+    n, num_states, num_heads, head_dim = v.shape
+    out = _output("out", out, (n, num_heads, head_dim), v.dtype, v.device, any_float=True)
     out_lse = _output("out_lse", out_lse, (n, num_heads), torch.float32, v.device)
     _check_aliasing((("out", out), ("out_lse", out_lse)), (("v", v), ("s", s)), state_slices=True)
     if out.numel() == 0 and out_lse.numel() == 0:
         return out, out_lse
     if use_triton(v.device):
-        _launch_many(v, s, None, out, out_lse)
+        _launch_dense(v, s, out, out_lse)
     else:
         o, lse = merge_states_ref(v, s)
         out.copy_(o)
@@ -541,7 +591,8 @@ def merge_states_ragged(
         indptr: int32 ``[n + 1]``, contiguous, non-decreasing, ``0 <= indptr[0]``,
             ``indptr[n] <= nnz``. The launch grid comes from ``indptr``'s length, so the
             call never reads it on the host unless ``validate``.
-        out: optional ``[n, H, D]`` output of v's dtype, not overlapping any input.
+        out: optional ``[n, H, D]`` output, fp16/bf16/fp32 (default: v's dtype), not
+            overlapping any input.
         out_lse: optional ``[n, H]`` float32 output, not overlapping any input.
         validate: check ``indptr``'s contents (a host sync; skipped while a CUDA graph
             is being captured).
@@ -556,7 +607,7 @@ def merge_states_ragged(
     if indptr.numel() == 0:
         raise ValueError("indptr: expected n + 1 >= 1 entries, got an empty tensor")
     n = indptr.numel() - 1
-    out = _output("out", out, (n, num_heads, head_dim), v.dtype, v.device)
+    out = _output("out", out, (n, num_heads, head_dim), v.dtype, v.device, any_float=True)
     out_lse = _output("out_lse", out_lse, (n, num_heads), torch.float32, v.device)
     _check_aliasing((("out", out), ("out_lse", out_lse)), (("v", v), ("s", s), ("indptr", indptr)),
                     exact_ok=False)
