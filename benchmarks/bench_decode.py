@@ -39,7 +39,7 @@ from benchmarks._common import (
     write_json,
 )
 from cascadeinfer.kernels import decode as decode_mod
-from cascadeinfer.kernels.decode import DECODE_VARIANTS, batch_decode_paged, decode_num_splits
+from cascadeinfer.kernels.decode import DECODE_VARIANTS, batch_decode_paged, decode_num_splits, pick_decode_config
 from cascadeinfer.kernels.reference import attention_state_ref
 from cascadeinfer.layouts.paged_cache import gather_paged_kv, unpack_paged_kv_cache
 
@@ -52,6 +52,7 @@ MAX_SDPA_KV_BYTES = 16e9  # SDPA needs a second, gathered copy of the KV
 VARIANT_SHAPES = ((1, 32768), (16, 4096), (16, 32768), (64, 4096), (64, 16384), (256, 4096))
 QUICK_SHAPES = ((1, 16384), (16, 4096), (16, 32768), (64, 4096), (256, 4096))
 LN2 = math.log(2.0)
+REP_MS = 200  # do_bench_cudagraph's rep per timing (--rep-ms)
 
 
 def kv_bytes(batch: int, ctx: int) -> int:
@@ -154,7 +155,11 @@ def time_shape(batch: int, ctx: int, copy_bw: float, mm_rate: float, fi, variant
     nbytes = io_bytes(batch, ctx)
     flops = 4 * batch * HQ * ctx * D
     floor = roofline_floor(nbytes, flops, copy_bw, mm_rate)
-    row = dict(batch=batch, ctx=ctx, kv_GB=kvb / 1e9, rot=n_rot, splits=decode_num_splits(batch, HKV, dev),
+    num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    cfg = pick_decode_config(D, DTYPE, PAGE, work=batch * HKV, num_sms=num_sms)  # the default plan
+    row = dict(batch=batch, ctx=ctx, kv_GB=kvb / 1e9, rot=n_rot,
+               config=next((k for k, v in DECODE_VARIANTS.items() if v == cfg), str(cfg)),
+               splits=decode_num_splits(batch, HKV, dev, programs_per_sm=cfg.programs_per_sm),
                floor_us=floor * 1e6, copy_GBps=copy_bw / 1e9)
 
     def ours(i, cfg=None):
@@ -167,12 +172,12 @@ def time_shape(batch: int, ctx: int, copy_bw: float, mm_rate: float, fi, variant
         row[f"{prefix}_GBps"] = None if seconds is None else nbytes / seconds / 1e9
         row[f"{prefix}_frac"] = None if seconds is None else floor / seconds
 
-    record("ours", bench_rotating([ours(i) for i in range(n_rot)]))
+    record("ours", bench_rotating([ours(i) for i in range(n_rot)], rep_ms=REP_MS))
 
     if variants:
         for name, cfg in DECODE_VARIANTS.items():
             try:
-                record(f"var_{name}", bench_rotating([ours(i, cfg) for i in range(n_rot)]))
+                record(f"var_{name}", bench_rotating([ours(i, cfg) for i in range(n_rot)], rep_ms=REP_MS))
             except Exception as exc:  # a variant that does not compile here is reported, not fatal
                 print(f"# variant {name} failed at batch {batch} ctx {ctx}: {type(exc).__name__}: {exc}",
                       file=sys.stderr)
@@ -182,7 +187,8 @@ def time_shape(batch: int, ctx: int, copy_bw: float, mm_rate: float, fi, variant
         try:
             w = fi_wrapper(fi, indptr, indices, last)
             fi_outs = [torch.empty_like(q) for q in qs]
-            t_fi = bench_rotating([lambda i=i: w.run(qs[i], pools[i], out=fi_outs[i]) for i in range(n_rot)])
+            t_fi = bench_rotating([lambda i=i: w.run(qs[i], pools[i], out=fi_outs[i]) for i in range(n_rot)],
+                                  rep_ms=REP_MS)
             torch.testing.assert_close(fi_outs[0].float(), outs[0].float(), atol=2e-2, rtol=2e-2)
             record("fi", t_fi)
         except Exception as exc:
@@ -210,7 +216,7 @@ def time_shape(batch: int, ctx: int, copy_bw: float, mm_rate: float, fi, variant
 
             o_sdpa = sdpa(0)()
             torch.testing.assert_close(o_sdpa.squeeze(2).float(), outs[0].float(), atol=2e-2, rtol=2e-2)
-            record("sdpa", bench_rotating([sdpa(i) for i in range(n_sdpa)]))
+            record("sdpa", bench_rotating([sdpa(i) for i in range(n_sdpa)], rep_ms=REP_MS))
         except Exception as exc:
             print(f"# sdpa failed at batch {batch} ctx {ctx}: {type(exc).__name__}: {exc}", file=sys.stderr)
             record("sdpa", None)
@@ -222,11 +228,14 @@ def time_shape(batch: int, ctx: int, copy_bw: float, mm_rate: float, fi, variant
 
 
 def main() -> None:
+    global REP_MS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a few shapes only")
     ap.add_argument("--no-variants", action="store_true", help="skip the launch-variant comparison")
     ap.add_argument("--all-variants", action="store_true", help="compare the variants at every shape")
+    ap.add_argument("--rep-ms", type=int, default=REP_MS, help="do_bench_cudagraph rep per timing")
     args = ap.parse_args()
+    REP_MS = args.rep_ms
     if not torch.cuda.is_available():
         sys.exit("bench_decode needs a CUDA device")
 
@@ -263,7 +272,7 @@ def main() -> None:
         print(markdown_table(var_rows, cols))
     print("\n## batch_decode_paged, bf16, Hq=32, Hkv=8, D=128, page 16 "
           f"(copy bandwidth {copy_bw / 1e9:.0f} GB/s)\n")
-    print(markdown_table(rows, ["batch", "ctx", "kv_GB", "splits", "floor_us", "ours_us", "ours_GBps", "ours_frac",
+    print(markdown_table(rows, ["batch", "ctx", "kv_GB", "config", "splits", "floor_us", "ours_us", "ours_GBps", "ours_frac",
                                 "fi_us", "fi_frac", "fi_over_ours", "sdpa_us", "sdpa_frac"]))
 
 

@@ -11,7 +11,9 @@ from hypothesis import strategies as st
 
 from cascadeinfer.kernels import decode as decode_mod
 from cascadeinfer.kernels.decode import (
+    DECODE_VARIANTS,
     MAX_SPLITS,
+    DecodeConfig,
     batch_decode_paged,
     batch_decode_paged_ref,
     decode_num_splits,
@@ -221,24 +223,66 @@ def test_random_shapes(lens, page_size, hkv, group, head_dim, num_splits, dtype,
                   dtype=dtype, layout=layout, num_splits=num_splits, seed=seed)
 
 
+# --------------------------------------------------------------------------- launch variants
+
+
+def run_config(device, cfg, *, num_splits, layout="NHD", **case):
+    q, cache, indptr, indices, last = make_case(device, layout=layout, **case)
+    out, lse = poisoned(q)
+    o, s = decode_mod._batch_decode_paged(
+        q, cache, indptr, indices, last, kv_layout=layout, sm_scale=None, num_splits=num_splits, out=out, lse=lse,
+        validate=True, config=cfg)
+    assert o is out and s is lse
+    check_against_reference(q, cache, indptr, indices, last, o, s, layout=layout)
+
+
+@pytest.mark.parametrize("name", list(DECODE_VARIANTS))
+def test_decode_variants(device, name):
+    """Every launch variant the benchmarks time computes the same attention (1 split;
+    2 splits, merged by the two-state kernel; 5, by the many-state kernel)."""
+    cfg = DECODE_VARIANTS[name]
+    for splits in (1, 2, 5):
+        run_config(device, cfg, num_splits=splits, lens=[0, 300, 17], hq=8, hkv=2, head_dim=128,
+                   dtype=torch.bfloat16, seed=24)
+
+
+def test_decode_config_rejects_bad_values():
+    for bad in (dict(block_n=48), dict(num_warps=3), dict(num_stages=0), dict(programs_per_sm=0)):
+        with pytest.raises(ValueError):
+            DecodeConfig(**(dict(block_n=64, num_warps=4, num_stages=3) | bad))
+
+
 # --------------------------------------------------------------------------- split plan
 
 
 def test_decode_num_splits_plan():
-    cpu = torch.device("cpu")
-    assert decode_num_splits(16, 8, cpu) == 264 // 128
-    assert decode_num_splits(1, 8, cpu) == 33
+    cpu = torch.device("cpu")  # 132 SMs assumed
+    assert decode_num_splits(16, 8, cpu) == 1  # 128 pairs: one n128_w4_s5 program per SM
+    assert decode_num_splits(1, 8, cpu) == 16
+    assert decode_num_splits(4, 8, cpu) == 4
+    assert decode_num_splits(9, 8, cpu) == 3  # 72 pairs: 2 per SM keep 1.5x the loads in flight
+    assert decode_num_splits(17, 8, cpu) == 2  # 136 pairs: n64_w4_s5, one wave of 2-3 per SM
+    assert decode_num_splits(40, 8, cpu) == 1  # 320 pairs: n64_w4_s5, one wave, no split
     assert decode_num_splits(256, 8, cpu) == 1
-    assert decode_num_splits(1, 1, cpu) == MAX_SPLITS
+    assert decode_num_splits(1, 8, cpu, programs_per_sm=2) == 33
+    assert decode_num_splits(1, 1, cpu) == 132
+    assert decode_num_splits(1, 1, cpu, programs_per_sm=4) == MAX_SPLITS
     assert decode_num_splits(0, 8, cpu) >= 1
     with pytest.raises(ValueError, match="num_kv_heads"):
         decode_num_splits(4, 0, cpu)
 
 
 def test_pick_decode_config():
-    cfg = pick_decode_config(128, torch.bfloat16, 16)
-    assert cfg.block_n >= 16 and cfg.num_stages >= 1
-    assert pick_decode_config(256, torch.bfloat16, 16).block_n <= cfg.block_n
+    def pick(work, dtype=torch.bfloat16, head_dim=128):
+        return pick_decode_config(head_dim, dtype, 16, work=work, num_sms=132)
+
+    one, two, three = (DECODE_VARIANTS[k] for k in ("n128_w4_s5", "n128_w4_s3", "n64_w4_s5"))
+    assert pick(8) == pick(32) == pick(128) == one and one.programs_per_sm == 1
+    assert pick(72) == two  # 3 splits at 2 per SM beat 1 split at 1 per SM
+    assert pick(133) == pick(198) == pick(199) == pick(396) == three
+    assert pick(397) == pick(2048) == two == pick_decode_config(128, torch.float16, 16)
+    assert pick(8, head_dim=256).block_n <= two.block_n
+    assert pick(8, dtype=torch.float32).num_warps == 8
 
 
 # --------------------------------------------------------------------------- bad input

@@ -10,8 +10,12 @@ launch never reads the page table on the host and can be captured in a CUDA grap
 
 With one split the kernel writes the output and the natural-log LSE directly. With more,
 each split writes its attention state (normalised fp32 output, natural-log LSE; an empty
-range gives ``(0, -inf)``) and stage 2, :func:`cascadeinfer.kernels.merge.merge_states`,
-merges them into the output.
+range gives ``(0, -inf)``) and stage 2, the kernel of
+:func:`cascadeinfer.kernels.merge.merge_states`, merges them straight into the output in
+q's dtype. The default plan (:func:`pick_decode_config`, :func:`decode_num_splits`) picks
+the launch config and the split count from ``batch * num_kv_heads`` and the SM count
+alone: one wave of programs with enough K/V loads in flight, and no split at all once
+there are 1.5x more (request, kv head) pairs than SMs.
 
 Inside the kernel scores are kept in base 2: ``log2(e) * sm_scale`` is folded into one
 scale and the softmax uses ``exp2``; the LSE is turned back into a natural log at the store.
@@ -43,7 +47,7 @@ from cascadeinfer._checks import (
     same_device,
     use_triton,
 )
-from cascadeinfer.kernels.merge import merge_states
+from cascadeinfer.kernels import merge as merge_mod
 from cascadeinfer.layouts.paged_cache import PagedKV, PagedKVCache, unpack_paged_kv_cache
 
 LOG2E = 1.4426950408889634  # log2(e): natural-log scores -> base-2 scores
@@ -120,7 +124,7 @@ def _decode_tile(
     return acc, l_i, m_new
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_kv_heads", "num_splits"])
 def _decode_kernel(
     q_ptr,  # [batch, num_qo_heads, head_dim], strides (stride_qb, stride_qh, 1)
     k_ptr,  # K pool: page/token/head strides below, head_dim stride 1
@@ -128,15 +132,19 @@ def _decode_kernel(
     kv_indptr_ptr,  # [batch + 1] int32
     kv_indices_ptr,  # [>= kv_indptr[batch]] int32 page ids
     kv_last_page_len_ptr,  # [batch] int32
-    o_ptr,  # [batch, num_splits, num_qo_heads, head_dim] fp32 partials, or out [batch, num_qo_heads, head_dim]
-    lse_ptr,  # [batch, num_splits, num_qo_heads] float32 natural log (partials or the final lse)
+    o_ptr,  # [batch, num_qo_heads, head_dim] out, q's dtype, strides (stride_ob, stride_oh, 1)
+    lse_ptr,  # [batch, num_qo_heads] float32 natural log, strides (stride_lb, stride_lh)
+    part_o_ptr,  # [batch, num_splits, num_qo_heads, head_dim] float32 partial outputs (SPLIT)
+    part_lse_ptr,  # [batch, num_splits, num_qo_heads] float32 natural-log partial LSEs (SPLIT)
     qk_scale,  # sm_scale * log2(e)
     num_kv_heads,
     num_splits,
     stride_qb, stride_qh,
     stride_page, stride_token, stride_head,
-    stride_ob, stride_os, stride_oh,
-    stride_lb, stride_ls, stride_lh,
+    stride_ob, stride_oh,
+    stride_lb, stride_lh,
+    stride_pb, stride_ps, stride_ph,
+    stride_plb, stride_pls, stride_plh,
     GROUP: tl.constexpr,  # num_qo_heads // num_kv_heads
     BLOCK_H: tl.constexpr,  # GROUP padded to a power of two >= 16
     HEAD_DIM: tl.constexpr,
@@ -145,6 +153,7 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,  # keys per tile
     NUM_STAGES: tl.constexpr,
     IEEE: tl.constexpr,
+    SPLIT: tl.constexpr,  # False: one split, write out and lse; True: write this split's partial state
 ):
     pid = tl.program_id(0)
     kv_head = pid % num_kv_heads
@@ -196,11 +205,17 @@ def _decode_kernel(
     o = acc / l_safe[:, None]
     lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * _LN2, float("-inf"))
 
-    o_offs = (req.to(tl.int64) * stride_ob + split.to(tl.int64) * stride_os
-              + heads.to(tl.int64)[:, None] * stride_oh + offs_d[None, :])
-    tl.store(o_ptr + o_offs, o.to(o_ptr.dtype.element_ty), mask=mask_q)
-    lse_offs = req.to(tl.int64) * stride_lb + split.to(tl.int64) * stride_ls + heads.to(tl.int64) * stride_lh
-    tl.store(lse_ptr + lse_offs, lse, mask=mask_h)
+    heads64 = heads.to(tl.int64)
+    if SPLIT:
+        p_offs = (req.to(tl.int64) * stride_pb + split.to(tl.int64) * stride_ps + heads64[:, None] * stride_ph
+                  + offs_d[None, :])
+        tl.store(part_o_ptr + p_offs, o, mask=mask_q)
+        p_lse_offs = req.to(tl.int64) * stride_plb + split.to(tl.int64) * stride_pls + heads64 * stride_plh
+        tl.store(part_lse_ptr + p_lse_offs, lse, mask=mask_h)
+    else:
+        o_offs = req.to(tl.int64) * stride_ob + heads64[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptr + o_offs, o.to(o_ptr.dtype.element_ty), mask=mask_q)
+        tl.store(lse_ptr + req.to(tl.int64) * stride_lb + heads64 * stride_lh, lse, mask=mask_h)
 
 
 # --------------------------------------------------------------------------- launcher
@@ -208,9 +223,11 @@ def _decode_kernel(
 
 @dataclass(frozen=True, slots=True)
 class DecodeConfig:
-    """Launch parameters of the stage-1 kernel (internal; the benchmark compares several).
+    """Launch parameters of the stage-1 kernel (internal; the benchmarks compare several).
 
-    ``programs_per_sm`` only matters when the caller leaves ``num_splits`` to the plan.
+    ``programs_per_sm`` sets the split plan when the caller leaves ``num_splits`` to it
+    (:func:`decode_num_splits`): about that many programs per SM, the number of this
+    config's programs that are resident on one SM at once (one wave, no tail).
     """
 
     block_n: int
@@ -225,24 +242,20 @@ class DecodeConfig:
             raise ValueError(f"invalid DecodeConfig {self}")
 
 
-# Variants the benchmark compares; ``pick_decode_config`` chooses among them. The loop's
+# Variants the benchmarks compare; ``pick_decode_config`` chooses among them. The loop's
 # K/V loads hang off an in-loop page-table load, and Triton 3.6's pipeliner then keeps
-# floor((num_stages - 1) / 2) K/V tiles in flight (seen in the sm_90 TTGIR): num_stages=5
-# gives two 32 KiB tiles (bf16, D=128, BLOCK_N=64; 72 KiB of shared memory, 128 registers,
-# so three programs fit on an SM), num_stages=3 only one.
+# floor((num_stages - 1) / 2) K/V tiles in flight (seen in the sm_90 TTGIR). sm_90a builds
+# (bf16, D=128, group 4; ptxas -v): n128_w4_s5 235 registers, 137 KiB shared memory ->
+# 1 program per SM, two 64 KiB K+V tiles in flight; n128_w4_s3 235 registers, 73 KiB ->
+# 2 programs per SM (registers), one 64 KiB tile each; n64_w4_s5 144 registers, 70 KiB ->
+# 3 programs per SM, two 32 KiB tiles each. ``programs_per_sm`` is that residency.
 DECODE_VARIANTS: dict[str, DecodeConfig] = {
-    "n64_w4_s5": DecodeConfig(block_n=64, num_warps=4, num_stages=5),
-    "n64_w4_s3": DecodeConfig(block_n=64, num_warps=4, num_stages=3),
-    "n64_w4_s7": DecodeConfig(block_n=64, num_warps=4, num_stages=7),
-    "n64_w8_s5": DecodeConfig(block_n=64, num_warps=8, num_stages=5),
-    "n32_w4_s7": DecodeConfig(block_n=32, num_warps=4, num_stages=7),
-    "n128_w8_s5": DecodeConfig(block_n=128, num_warps=8, num_stages=5),
-    "n64_w4_s5_pps1": DecodeConfig(block_n=64, num_warps=4, num_stages=5, programs_per_sm=1),
-    "n64_w4_s5_pps3": DecodeConfig(block_n=64, num_warps=4, num_stages=5, programs_per_sm=3),
-    "n64_w4_s5_pps4": DecodeConfig(block_n=64, num_warps=4, num_stages=5, programs_per_sm=4),
+    "n128_w4_s5": DecodeConfig(block_n=128, num_warps=4, num_stages=5, programs_per_sm=1),
+    "n128_w4_s3": DecodeConfig(block_n=128, num_warps=4, num_stages=3, programs_per_sm=2),
+    "n64_w4_s5": DecodeConfig(block_n=64, num_warps=4, num_stages=5, programs_per_sm=3),
 }
 
-DEFAULT_NUM_SMS = 132  # H100 SXM; used for the split plan of CPU tensors
+DEFAULT_NUM_SMS = 132  # H100/H200 SXM; used for the split plan of CPU tensors
 MAX_SPLITS = 256
 
 
@@ -257,26 +270,23 @@ def _num_sms(device: torch.device) -> int:
     return _cuda_num_sms(torch.cuda.current_device() if device.index is None else device.index)
 
 
-def decode_num_splits(batch: int, num_kv_heads: int, device: torch.device | str, *, programs_per_sm: int = 2) -> int:
-    """How many KV splits per (request, kv head) :func:`batch_decode_paged` uses by default.
-
-    A plan from shapes only (no look at sequence lengths, so it is CUDA-graph safe): about
-    ``programs_per_sm`` resident programs on every multiprocessor, i.e.
-    ``floor(num_sms * programs_per_sm / (batch * num_kv_heads))`` clamped to ``[1, 256]``.
-    The multiprocessor count is read once per device (132 for CPU tensors).
-    """
-    if batch < 0 or num_kv_heads < 1:
-        raise ValueError(f"batch, num_kv_heads: expected >= 0 and >= 1, got {batch}, {num_kv_heads}")
-    dev = torch.device(device)
-    target = _num_sms(dev) * programs_per_sm
-    return max(1, min(MAX_SPLITS, target // max(1, batch * num_kv_heads)))
-
-
-def pick_decode_config(head_dim: int, dtype: torch.dtype, page_size: int) -> DecodeConfig:
+def pick_decode_config(head_dim: int, dtype: torch.dtype, page_size: int, *, work: int | None = None,
+                       num_sms: int = DEFAULT_NUM_SMS) -> DecodeConfig:
     """The stage-1 launch parameters :func:`batch_decode_paged` uses for these shapes.
 
-    ``page_size`` does not change the choice today (pages of 16 and 64 compile to the
-    same shared-memory footprint); it is part of the key so that it can.
+    ``work``: ``batch * num_kv_heads``, the programs before any split (None: many). The
+    split count then follows from the config's ``programs_per_sm``
+    (:func:`decode_num_splits`). ``page_size`` does not change the choice today (pages of
+    16 and 64 compile to the same shared-memory footprint); it is part of the key so that
+    it can.
+
+    For fp16/bf16 and head_dim <= 128 the rule aims at one wave of programs (no tail)
+    with about 128 KiB of K/V loads in flight per SM, and as few splits as possible (each
+    adds a merge). Measured on an H200 (benchmarks/NOTES.md): ``work <= SMs``: one
+    n128_w4_s5 program per SM (the splits fill the SMs), unless a 2-per-SM n128_w4_s3 plan
+    keeps >= 1.25x the loads in flight (e.g. work 72: 3 splits instead of 1);
+    ``SMs < work <= 3 SMs``: n64_w4_s5, 3 per SM, 2 splits up to 1.5 SMs, then none;
+    more: n128_w4_s3, no split (many waves of 2 per SM).
     """
     block_d = max(16, next_power_of_2(head_dim))
     if dtype == torch.float32:
@@ -286,7 +296,34 @@ def pick_decode_config(head_dim: int, dtype: torch.dtype, page_size: int) -> Dec
     if block_d >= 256:
         # twice the bytes per key: half the keys per tile, 8 warps (166 registers, 73 KiB).
         return DecodeConfig(block_n=32, num_warps=8, num_stages=5)
-    return DECODE_VARIANTS["n64_w4_s5"]
+    one, two, three = DECODE_VARIANTS["n128_w4_s5"], DECODE_VARIANTS["n128_w4_s3"], DECODE_VARIANTS["n64_w4_s5"]
+    if work is None or work > 3 * num_sms:
+        return two
+    if work > num_sms:
+        return three
+    # in flight: one -> 128 KiB x work x splits(1 per SM); two -> 64 KiB x work x splits(2 per SM)
+    splits_one, splits_two = num_sms // max(1, work), 2 * num_sms // max(1, work)
+    return two if 2 * splits_two >= 5 * splits_one else one
+
+
+def decode_num_splits(batch: int, num_kv_heads: int, device: torch.device | str, *,
+                      programs_per_sm: int | None = None) -> int:
+    """How many KV splits per (request, kv head) :func:`batch_decode_paged` uses by default.
+
+    A plan from shapes only (no look at sequence lengths, so it is CUDA-graph safe): about
+    ``programs_per_sm`` programs on every multiprocessor, i.e.
+    ``floor(num_sms * programs_per_sm / (batch * num_kv_heads))`` clamped to ``[1, 256]``.
+    ``programs_per_sm=None`` takes it from the config :func:`pick_decode_config` picks for
+    fp16/bf16 with head_dim <= 128 (the plan those inputs get; fp32 and larger head dims
+    use 2). The multiprocessor count is read once per device (132 for CPU tensors).
+    """
+    if batch < 0 or num_kv_heads < 1:
+        raise ValueError(f"batch, num_kv_heads: expected >= 0 and >= 1, got {batch}, {num_kv_heads}")
+    dev = torch.device(device)
+    work = max(1, batch * num_kv_heads)
+    if programs_per_sm is None:
+        programs_per_sm = pick_decode_config(128, torch.bfloat16, 16, work=work, num_sms=_num_sms(dev)).programs_per_sm
+    return max(1, min(MAX_SPLITS, _num_sms(dev) * programs_per_sm // work))
 
 
 def _check_page_table(
@@ -345,9 +382,10 @@ def batch_decode_paged(
         kv_last_page_len: int32 ``[batch]``, tokens in each request's last page, in ``[1, page_size]``.
         kv_layout: ``"NHD"`` or ``"HND"``.
         sm_scale: softmax scale, default ``head_dim ** -0.5``.
-        num_splits: KV splits per (request, kv head); default :func:`decode_num_splits`.
-            Each split reads ``cdiv(num_pages, num_splits)`` consecutive pages of its
-            request; the partial states are merged with ``merge_states``.
+        num_splits: KV splits per (request, kv head); default: a plan from the shapes
+            (:func:`pick_decode_config`, :func:`decode_num_splits`; never from sequence
+            lengths). Each split reads ``cdiv(num_pages, num_splits)`` consecutive pages
+            of its request; the partial states are merged by ``merge_states``' kernel.
         out: optional ``[batch, num_qo_heads, head_dim]`` output buffer (dtype of ``q``,
             last dimension contiguous).
         lse: optional float32 ``[batch, num_qo_heads]`` buffer for the LSE.
@@ -413,10 +451,12 @@ def _batch_decode_paged(
         lse.copy_(lse_ref)
         return out, lse
 
-    cfg = config if config is not None else pick_decode_config(head_dim, q.dtype, kv.page_size)
+    cfg = config if config is not None else pick_decode_config(
+        head_dim, q.dtype, kv.page_size, work=batch * kv.num_kv_heads, num_sms=_num_sms(device))
     if num_splits is None:
         num_splits = decode_num_splits(batch, kv.num_kv_heads, device, programs_per_sm=cfg.programs_per_sm)
     group = num_qo_heads // kv.num_kv_heads
+    split = num_splits > 1
     meta = dict(
         GROUP=group,
         BLOCK_H=max(16, next_power_of_2(group)),
@@ -426,43 +466,33 @@ def _batch_decode_paged(
         BLOCK_N=cfg.block_n,
         NUM_STAGES=cfg.num_stages,
         IEEE=q.dtype == torch.float32,
+        SPLIT=split,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
     grid = (batch * kv.num_kv_heads * num_splits,)
-    if num_splits == 1:
-        o_dst, lse_dst = out, lse
-        o_strides = (out.stride(0), 0, out.stride(1))
-        lse_strides = (lse.stride(0), 0, lse.stride(1))
+    if split:
+        # fp32 partial states; stage 2 merges them straight into out (cast at the store)
+        part_o = torch.empty((batch, num_splits, num_qo_heads, head_dim), dtype=torch.float32, device=device)
+        part_lse = torch.empty((batch, num_splits, num_qo_heads), dtype=torch.float32, device=device)
+        part_strides = (*part_o.stride()[:3], *part_lse.stride())
     else:
-        o_dst = torch.empty((batch, num_splits, num_qo_heads, head_dim), dtype=torch.float32, device=device)
-        lse_dst = torch.empty((batch, num_splits, num_qo_heads), dtype=torch.float32, device=device)
-        o_strides = o_dst.stride()[:3]
-        lse_strides = lse_dst.stride()
+        part_o, part_lse = out, lse  # not touched
+        part_strides = (0, 0, 0, 0, 0, 0)
     _decode_kernel[grid](
-        q, kv.k, kv.v, kv_indptr, kv_indices, kv_last_page_len, o_dst, lse_dst,
+        q, kv.k, kv.v, kv_indptr, kv_indices, kv_last_page_len, out, lse, part_o, part_lse,
         scale * LOG2E, kv.num_kv_heads, num_splits,
         q.stride(0), q.stride(1),
         kv.stride_page, kv.stride_token, kv.stride_head,
-        *o_strides, *lse_strides,
+        out.stride(0), out.stride(1),
+        lse.stride(0), lse.stride(1),
+        *part_strides,
         **meta,
     )
-    if num_splits > 1:
-        _merge_splits(o_dst, lse_dst, out, lse)
+    if split:
+        # Stage 2 (inputs checked here already: the internal launcher, no second check).
+        merge_mod._launch_dense(part_o, part_lse, out, lse)
     return out, lse
-
-
-def _merge_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
-    """Stage 2: merge the ``[batch, num_splits, Hq, D]`` fp32 partial states into ``out``, ``lse``.
-
-    ``merge_states`` writes an output of its inputs' dtype; for fp16/bf16 it merges into
-    split 0's slot (an aliasing it allows) and one copy casts the result into ``out``.
-    """
-    if out.dtype == torch.float32:
-        merge_states(o_part, lse_part, out=out, out_lse=lse)
-    else:
-        merged, _ = merge_states(o_part, lse_part, out=o_part[:, 0], out_lse=lse)
-        out.copy_(merged)
 
 
 # --------------------------------------------------------------------------- reference
