@@ -1,11 +1,12 @@
-"""A roofline cost model that decides between cascade and flat paged decode.
+"""A roofline cost model that decides between cascade and flat paged attention.
 
 Cascade reads the shared prefix once and runs it on tensor cores, but pays one launch
 per level plus a merge; flat decode reads every request's full page list (the prefix
 once per request, partly from L2 when it is short) in a single launch. Neither always
 wins: a short prefix or a small batch favours flat decode. The model predicts both
-times from bytes moved and FLOPs, with ceilings calibrated on the H100 (see
-benchmarks/NOTES.md), and the planner takes the smaller.
+times from bytes moved and FLOPs, plus a fixed cost per level; its constants were fitted
+to 72 measured shapes on an H200 (benchmarks/NOTES.md, "Planner"), where it picks the
+faster path, or one within 5% of it, on all of them.
 """
 
 from __future__ import annotations
@@ -17,24 +18,28 @@ import torch
 
 @dataclass(frozen=True, slots=True)
 class DeviceModel:
-    """Measured ceilings of a device, and the fractions our kernels reach of them."""
+    """Ceilings of a device, and what our kernels reach of them (fitted on an H200)."""
 
     copy_bandwidth: float = 3.0e12  # bytes/s, kernel copy on an H100 SXM (read + write)
-    matmul_rate: float = 7.0e14  # FLOP/s, bf16 dense
-    decode_efficiency: float = 0.85  # fraction of copy bandwidth the decode kernel reaches
-    prefix_efficiency: float = 0.45  # fraction of matmul rate the prefix kernel reaches
+    matmul_rate: float = 6.8e14  # FLOP/s, bf16 dense
     l2_bytes: int = 50 * 2**20
-    launch_seconds: float = 4e-6  # one extra kernel in a CUDA graph, tail + ramp
+    decode_bandwidth_efficiency: float = 0.97  # of copy bandwidth (bench_decode: 0.95-1.05)
+    prefix_flop_efficiency: float = 0.55  # of matmul rate (bench_prefix: 0.5-0.66 at scale)
+    decode_flop_efficiency: float = 0.2  # the GQA-packed decode dot, M padded to 16 rows
+    prefix_level_seconds: float = 8e-6  # fixed cost of a prefill level (splits + their merge)
+    decode_level_seconds: float = 10e-6  # fixed cost of a decode level (splits + their merge)
+    merge_seconds: float = 2e-6  # fixed cost of merging two levels
+    l2_miss_small: float = 0.3  # repeated reads of a level that fits in L2 that still miss
 
     @staticmethod
     def for_device(device: torch.device | None) -> "DeviceModel":
         if device is None or device.type != "cuda":
             return DeviceModel()
         props = torch.cuda.get_device_properties(device)
-        name = props.name
-        if "H200" in name:
-            return DeviceModel(copy_bandwidth=4.3e12, matmul_rate=7.8e14, l2_bytes=props.L2_cache_size)
-        return DeviceModel(l2_bytes=getattr(props, "L2_cache_size", 50 * 2**20))
+        l2 = getattr(props, "L2_cache_size", 50 * 2**20)
+        if "H200" in props.name:
+            return DeviceModel(copy_bandwidth=4.25e12, matmul_rate=6.83e14, l2_bytes=l2)
+        return DeviceModel(l2_bytes=l2)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,8 +47,10 @@ class LevelShape:
     """What one cascade level costs: its queries, and the keys each group reads."""
 
     num_queries: int  # query tokens in the level
-    unique_keys: int  # sum over groups of each group's key count (read once per group)
-    query_key_pairs: int  # sum over groups of queries × keys (the attention FLOPs / (4·Hq·D))
+    decode: bool  # one query per group: the decode kernel runs it
+    unique_keys: int  # sum over groups with queries of each group's key count
+    query_key_pairs: int  # sum over groups of queries × keys (FLOPs / (4·Hq·D))
+    flat_key_reads: int  # keys of this level that flat attention reads (once per last-level group)
 
 
 def predict_seconds(
@@ -55,36 +62,35 @@ def predict_seconds(
     elem_bytes: int,
     model: DeviceModel,
 ) -> tuple[float, float]:
-    """Predicted seconds of (cascade, flat decode) for the same batch.
+    """Predicted seconds of (cascade, flat) for the same batch.
 
-    Cascade: each level moves its unique K/V once and does its FLOPs on tensor cores;
-    a level is the larger of the two times. Levels after the first add a launch and a
-    merge pass over the fp32-sized state. Flat: the last level's queries each read the
-    keys of every level above them; repeated prefix keys beyond L2 are read again.
+    A level takes the larger of its memory time (unique K/V once) and its compute time
+    (tensor-core prefill, or the decode kernel's padded dot), plus a fixed cost; levels
+    after the first add a merge. Flat runs the last level's kernel over every key of every
+    level: keys of an upper level are re-read once per request, from L2 when the level
+    fits there (``l2_miss_small`` of them still miss).
     """
     kv_bytes_per_key = 2 * num_kv_heads * head_dim * elem_bytes
+    bw = model.copy_bandwidth * model.decode_bandwidth_efficiency
+    flop = 4.0 * num_qo_heads * head_dim
+    pad = max(1.0, 16 / (num_qo_heads // num_kv_heads))  # decode's dot pads the head group to 16 rows
+    decode_rate = model.matmul_rate * model.decode_flop_efficiency / pad
+    prefix_rate = model.matmul_rate * model.prefix_flop_efficiency
+
+    def level_time(lv: LevelShape, key_bytes: float, pairs: int) -> float:
+        rate, fixed = (decode_rate, model.decode_level_seconds) if lv.decode else (
+            prefix_rate, model.prefix_level_seconds)
+        return max(key_bytes / bw, flop * pairs / rate) + fixed
+
     state_bytes = levels[-1].num_queries * num_qo_heads * (head_dim * elem_bytes + 4)
-    bw = model.copy_bandwidth * model.decode_efficiency
-    rate = model.matmul_rate * model.prefix_efficiency
+    cascade = sum(level_time(lv, lv.unique_keys * kv_bytes_per_key, lv.query_key_pairs) for lv in levels)
+    cascade += (len(levels) - 1) * (model.merge_seconds + 3 * state_bytes / bw)
 
-    cascade = 0.0
-    for i, lv in enumerate(levels):
-        mem = lv.unique_keys * kv_bytes_per_key / bw
-        flops = 4.0 * lv.query_key_pairs * num_qo_heads * head_dim / rate
-        cascade += max(mem, flops)
-        if i:
-            cascade += model.launch_seconds + 3 * state_bytes / bw
-
-    # Flat: every query reads all its keys. The prefix levels' keys are shared by many
-    # queries; as long as a level fits in L2 the repeats mostly hit it.
-    flat_bytes = levels[-1].unique_keys * kv_bytes_per_key
-    for lv in levels[:-1]:
+    flat_bytes = 0.0
+    for lv in levels:
         unique = lv.unique_keys * kv_bytes_per_key
-        repeated = lv.query_key_pairs * kv_bytes_per_key - unique
-        miss = 0.1 if unique <= model.l2_bytes // 2 else 1.0
-        flat_bytes += unique + miss * max(0.0, repeated)
-    flat_flops = 4.0 * sum(lv.query_key_pairs for lv in levels) * num_qo_heads * head_dim
-    # Decode's GQA-packed dot pads the head group to 16 rows: its FLOP rate is lower.
-    group = num_qo_heads // num_kv_heads
-    flat = max(flat_bytes / bw, flat_flops * max(1.0, 16 / group) / rate)
+        repeated = max(0.0, lv.flat_key_reads * kv_bytes_per_key - unique)
+        miss = 1.0 if unique > model.l2_bytes else model.l2_miss_small
+        flat_bytes += unique + miss * repeated
+    flat = level_time(levels[-1], flat_bytes, sum(lv.query_key_pairs for lv in levels))
     return cascade, flat

@@ -117,15 +117,26 @@ def parent_of(upper: HostLevel, lower: HostLevel, lv: int) -> torch.Tensor:
     return parent
 
 
+def ancestors(levels: list[HostLevel]) -> list[torch.Tensor]:
+    """``ancestors(levels)[l][g]``: the group of level ``l`` above last-level group ``g``."""
+    chain = [torch.arange(levels[-1].num_groups)]
+    for lv in range(len(levels) - 1, 0, -1):
+        chain.append(parent_of(levels[lv - 1], levels[lv], lv)[chain[-1]])
+    return chain[::-1]
+
+
 def level_shapes(levels: list[HostLevel], page_size: int) -> list[LevelShape]:
     shapes = []
-    for lv in levels:
+    above = ancestors(levels)
+    for lv, anc in zip(levels, above):
         q_per_group = lv.qo_indptr[1:] - lv.qo_indptr[:-1]
         keys = lv.kv_lens(page_size)
         shapes.append(LevelShape(
             num_queries=int(lv.qo_indptr[-1]),
+            decode=bool((q_per_group == 1).all()),
             unique_keys=int(keys[q_per_group > 0].sum()),
             query_key_pairs=int((q_per_group * keys).sum()),
+            flat_key_reads=int(keys[anc].sum()),
         ))
     return shapes
 
@@ -135,15 +146,12 @@ def flat_page_table(levels: list[HostLevel], page_size: int) -> HostLevel | None
     level above the last ends on a partly filled page (its keys then cannot be followed
     by the next level's pages in one table)."""
     last = levels[-1]
-    ancestors = [torch.arange(last.num_groups)]
-    for lv in range(len(levels) - 1, 0, -1):
-        ancestors.append(parent_of(levels[lv - 1], levels[lv], lv)[ancestors[-1]])
-    ancestors.reverse()  # ancestors[l][g]: the group of level l above last-level group g
+    above = ancestors(levels)
     rows, last_lens = [], []
     for g in range(last.num_groups):
         pages, last_len = [], 0
         for lv, level in enumerate(levels):
-            a = int(ancestors[lv][g])
+            a = int(above[lv][g])
             s, e = int(level.kv_indptr[a]), int(level.kv_indptr[a + 1])
             if e == s:
                 continue
