@@ -55,8 +55,6 @@ class MultiLevelCascadeAttention:
             prompt for all requests), the last is each request's own suffix.
         kv_layout: ``"NHD"`` or ``"HND"``, the layout of the paged cache given to ``run``.
         device: where the metadata lives (default: CUDA if available, else CPU).
-        overlap: on a GPU, run the last level on a side stream so that the bandwidth-bound
-            suffix decode overlaps the compute-bound prefix levels (also inside CUDA graphs).
 
     Example (two levels, shared-prefix batch decode)::
 
@@ -67,8 +65,7 @@ class MultiLevelCascadeAttention:
         o, lse = attn.run(q, paged_kv_cache, return_lse=True)
     """
 
-    def __init__(self, num_levels: int, *, kv_layout: str = "NHD", device: torch.device | str | None = None,
-                 overlap: bool = True):
+    def __init__(self, num_levels: int, *, kv_layout: str = "NHD", device: torch.device | str | None = None):
         if not isinstance(num_levels, int) or isinstance(num_levels, bool) or num_levels < 1:
             raise ValueError(f"num_levels: expected a positive int, got {num_levels!r}")
         self.num_levels = num_levels
@@ -78,8 +75,6 @@ class MultiLevelCascadeAttention:
         self._levels: list[_DeviceLevel] = []
         self._flat: _DeviceLevel | None = None
         self._planned = False
-        self.overlap = overlap
-        self._stream: torch.cuda.Stream | None = None
 
     def plan(
         self,
@@ -169,14 +164,6 @@ class MultiLevelCascadeAttention:
                 q, level.qo_indptr, k_cache, v_cache, level.kv_indptr, level.kv_indices,
                 level.kv_last_page_len, causal, self.kv_layout, sm_scale, out, lse)
 
-    def _side_stream(self, q: torch.Tensor) -> torch.cuda.Stream | None:
-        """The stream the last level overlaps on, or None (CPU, compiling, or overlap off)."""
-        if not (self.overlap and q.is_cuda) or torch.compiler.is_compiling():
-            return None
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(q.device)
-        return self._stream
-
     def run(
         self,
         q: torch.Tensor,
@@ -220,25 +207,14 @@ class MultiLevelCascadeAttention:
         elif self.num_levels == 1:
             self._level_state(self._levels[0], q, k_cache, v_cache, self.causal, scale, out, lse)
         else:
-            # Every level's state first, then the merges. The levels are independent: on a GPU
-            # the last (bandwidth-bound decode) level runs on a side stream, overlapping the
-            # compute-bound prefix levels; the merges wait for it.
-            states = [(torch.empty_like(q), torch.empty_like(lse)) for _ in range(self.num_levels)]
-            side = self._side_stream(q)
-            main = torch.cuda.current_stream(q.device) if side is not None else None
-            for i, level in enumerate(self._levels):
-                last = i == self.num_levels - 1
-                if last and side is not None:
-                    side.wait_stream(main)
-                    with torch.cuda.stream(side):
-                        self._level_state(level, q, k_cache, v_cache, self.causal, scale, *states[i])
-                    main.wait_stream(side)
-                else:
-                    self._level_state(level, q, k_cache, v_cache, self.causal and last, scale, *states[i])
-            o_acc, lse_acc = states[0]
+            # Each level's state, merged into the running one; the last merge writes the result.
+            o_acc, lse_acc = torch.empty_like(q), torch.empty_like(lse)
+            self._level_state(self._levels[0], q, k_cache, v_cache, False, scale, o_acc, lse_acc)
             for i in range(1, self.num_levels):
                 last = i == self.num_levels - 1
+                o_i, lse_i = torch.empty_like(q), torch.empty_like(lse)
+                self._level_state(self._levels[i], q, k_cache, v_cache, self.causal and last, scale, o_i, lse_i)
                 o_next, lse_next = (out, lse) if last else (torch.empty_like(q), torch.empty_like(lse))
-                torch.ops.cascadeinfer.merge_state(o_acc, lse_acc, *states[i], o_next, lse_next)
+                torch.ops.cascadeinfer.merge_state(o_acc, lse_acc, o_i, lse_i, o_next, lse_next)
                 o_acc, lse_acc = o_next, lse_next
         return (out, lse) if return_lse else out
