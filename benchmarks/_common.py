@@ -79,6 +79,14 @@ def measure_matmul_rate(n: int = 8192, dtype: torch.dtype = torch.bfloat16) -> f
     return 2 * n**3 / t
 
 
+def measure_ceilings() -> tuple[float, float]:
+    """(copy bytes/s, bf16 matmul FLOP/s), measured now and printed as a comment line."""
+    copy_bw, mm_rate = measure_copy_bandwidth(), measure_matmul_rate()
+    print(f"# copy bandwidth {copy_bw / 1e9:.0f} GB/s (read + write), bf16 matmul {mm_rate / 1e12:.0f} TFLOP/s",
+          flush=True)
+    return copy_bw, mm_rate
+
+
 def roofline_floor(nbytes: float, flops: float, copy_bw: float, mm_rate: float) -> float:
     """Seconds no implementation can beat: the larger of the memory and compute times."""
     return max(nbytes / copy_bw, flops / mm_rate)

@@ -34,8 +34,7 @@ from benchmarks._common import (
     environment,
     load_flashinfer,
     markdown_table,
-    measure_copy_bandwidth,
-    measure_matmul_rate,
+    measure_ceilings,
     rotation_count,
     roofline_floor,
     write_json,
@@ -274,9 +273,7 @@ def main() -> None:
     print(f"# {env}")
     fi = load_flashinfer()
     check_correctness(fi)
-    copy_bw = measure_copy_bandwidth()
-    mm_rate = measure_matmul_rate()
-    print(f"# copy bandwidth {copy_bw / 1e9:.0f} GB/s (read + write), bf16 matmul {mm_rate / 1e12:.0f} TFLOP/s")
+    copy_bw, mm_rate = measure_ceilings()
     flex = None
     if not (args.quick or args.no_flex):
         try:
