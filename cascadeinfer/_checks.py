@@ -9,6 +9,7 @@ when asked (``validate=True``) and never while a CUDA graph is being captured.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterable, Sequence
 
@@ -104,6 +105,16 @@ def default_sm_scale(head_dim: int, sm_scale: float | None) -> float:
     if not (sm_scale > 0 and sm_scale != float("inf")):
         raise ValueError(f"sm_scale: expected a positive finite float, got {sm_scale}")
     return float(sm_scale)
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def cuda_num_sms(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (cached; reads no tensor, safe during capture)."""
+    return _sm_count(torch.cuda.current_device() if device.index is None else device.index)
 
 
 def next_power_of_2(n: int) -> int:

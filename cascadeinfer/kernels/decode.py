@@ -28,7 +28,6 @@ one unit of the input precision).
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -42,6 +41,7 @@ from cascadeinfer._checks import (
     check_int32_vector,
     check_last_dim_contiguous,
     check_tensor,
+    cuda_num_sms,
     default_sm_scale,
     next_power_of_2,
     same_device,
@@ -259,15 +259,8 @@ DEFAULT_NUM_SMS = 132  # H100/H200 SXM; used for the split plan of CPU tensors
 MAX_SPLITS = 256
 
 
-@functools.cache
-def _cuda_num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return DEFAULT_NUM_SMS
-    return _cuda_num_sms(torch.cuda.current_device() if device.index is None else device.index)
+    return cuda_num_sms(device) if device.type == "cuda" else DEFAULT_NUM_SMS
 
 
 def pick_decode_config(head_dim: int, dtype: torch.dtype, page_size: int, *, work: int | None = None,

@@ -57,6 +57,7 @@ from cascadeinfer._checks import (
     check_int32_vector,
     check_last_dim_contiguous,
     check_tensor,
+    cuda_num_sms,
     next_power_of_2,
     use_triton,
 )
@@ -276,12 +277,9 @@ _MAX_UNROLL_FEW = 32  # the same when programs are too few to fill the GPU (late
 _MAX_GRID = 2**31 - 1
 
 
-@functools.cache
 def _min_programs(device: torch.device) -> int:
     """Programs that keep every SM busy; the interpreter runs programs one by one."""
-    if device.type != "cuda":
-        return 1
-    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 4 * cuda_num_sms(device) if device.type == "cuda" else 1
 
 
 def _tile_config(n: int, num_heads: int, head_dim: int, elem_size: int, device: torch.device,

@@ -53,7 +53,6 @@ LSE is natural log at every boundary; inside the kernel scores are kept in log2 
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -67,6 +66,7 @@ from cascadeinfer._checks import (
     check_int32_vector,
     check_last_dim_contiguous,
     check_tensor,
+    cuda_num_sms,
     default_sm_scale,
     next_power_of_2,
     same_device,
@@ -437,11 +437,9 @@ def default_tile_config(head_dim: int, dtype: torch.dtype, rows_per_group: int |
     return TileConfig(128, 32, 8, 3)  # D=256: 160 KiB shared, 255 registers
 
 
-@functools.lru_cache(maxsize=None)
 def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1  # the interpreter runs programs one after another: splitting buys nothing
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    # The interpreter runs programs one after another: splitting buys nothing there.
+    return cuda_num_sms(device) if device.type == "cuda" else 1
 
 
 def num_m_tiles(nnz_qo: int, num_groups: int, group_size: int, block_m: int) -> int:
