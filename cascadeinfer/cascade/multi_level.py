@@ -131,15 +131,19 @@ class MultiLevelCascadeAttention:
                 raise ValueError(
                     f"qo_indptr_arr[{self.num_levels - 1}]: with causal=True each last-level group's queries must be "
                     f"its last keys, but group {g} has more queries than keys")
-        flat = flat_page_table(levels, page_size) if self.num_levels > 1 else None
-        if use_cascade is False and flat is None and self.num_levels > 1:
-            raise ValueError("use_cascade: flat decode needs every level above the last to end on a full page")
         cascade, self.predicted_cascade_s, self.predicted_flat_s = choose_cascade(
-            levels, flat, page_size=page_size, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+            levels, page_size=page_size, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
             head_dim=head_dim, elem_bytes=torch.empty((), dtype=dtype).element_size(), device=self.device,
         )
-        if use_cascade is not None and flat is not None:
+        if use_cascade is not None:
             cascade = use_cascade
+        flat = None
+        if not cascade and self.num_levels > 1:  # the flat table is built only when flat is wanted
+            flat = flat_page_table(levels, page_size)
+            if flat is None:
+                if use_cascade is False:
+                    raise ValueError("use_cascade: flat decode needs every level above the last to end on a full page")
+                cascade = True
         self.use_cascade = cascade or self.num_levels == 1
         if self.use_cascade:
             old = self._levels if len(self._levels) == self.num_levels else [None] * self.num_levels

@@ -168,14 +168,15 @@ def flat_page_table(levels: list[HostLevel], page_size: int) -> HostLevel | None
 
 
 def choose_cascade(
-    levels: list[HostLevel], flat: HostLevel | None, *, page_size: int, num_qo_heads: int,
-    num_kv_heads: int, head_dim: int, elem_bytes: int, device: torch.device | None,
+    levels: list[HostLevel], *, page_size: int, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+    elem_bytes: int, device: torch.device | None,
 ) -> tuple[bool, float, float]:
-    """(use cascade?, predicted cascade seconds, predicted flat seconds)."""
+    """(is cascade predicted faster?, predicted cascade seconds, predicted flat seconds).
+
+    Whether flat decode is possible at all (:func:`flat_page_table`) is the caller's check.
+    """
     t_cascade, t_flat = predict_seconds(
         level_shapes(levels, page_size), num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
         head_dim=head_dim, elem_bytes=elem_bytes, model=DeviceModel.for_device(device),
     )
-    if flat is None:
-        return True, t_cascade, t_flat
     return t_cascade < t_flat, t_cascade, t_flat

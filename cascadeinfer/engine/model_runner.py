@@ -220,10 +220,9 @@ class ModelRunner:
             return self.config.use_cascade
         mc = self.model.config
         hosts = [lv.host_level() for lv in levels]
-        # The planner needs the flat table only to know that flat decode is possible, which
-        # it always is here (levels above the last hold full pages only).
+        # Flat decode is always possible here (levels above the last hold full pages only).
         cascade, _, _ = choose_cascade(
-            hosts, hosts[-1], page_size=self.page_size,
+            hosts, page_size=self.page_size,
             num_qo_heads=mc.num_qo_heads, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
             elem_bytes=self.pool.cache.element_size(), device=self.config.device)
         return cascade
