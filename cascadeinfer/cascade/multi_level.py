@@ -30,7 +30,9 @@ class _DeviceLevel:
     kv_indices: torch.Tensor
     kv_last_page_len: torch.Tensor
     decode: bool
-    num_splits: int | None = None
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.qo_indptr, self.kv_indptr, self.kv_indices, self.kv_last_page_len
 
 
 def _device_level(level: HostLevel, device: torch.device, old: _DeviceLevel | None) -> _DeviceLevel:
@@ -38,9 +40,8 @@ def _device_level(level: HostLevel, device: torch.device, old: _DeviceLevel | No
                for t in (level.qo_indptr, level.kv_indptr, level.kv_indices, level.kv_last_page_len)]
     q_per_group = level.qo_indptr[1:] - level.qo_indptr[:-1]
     decode = bool((q_per_group == 1).all())
-    if old is not None and all(o.shape == n.shape for o, n in zip(
-            (old.qo_indptr, old.kv_indptr, old.kv_indices, old.kv_last_page_len), tensors)):
-        for o, n in zip((old.qo_indptr, old.kv_indptr, old.kv_indices, old.kv_last_page_len), tensors):
+    if old is not None and all(o.shape == n.shape for o, n in zip(old.tensors(), tensors)):
+        for o, n in zip(old.tensors(), tensors):
             o.copy_(n)  # in place: a graph captured on these buffers sees the new tables
         old.decode = decode
         return old
@@ -162,7 +163,7 @@ class MultiLevelCascadeAttention:
             # One query per group: causal changes nothing (the query sees every key).
             torch.ops.cascadeinfer.batch_decode_paged(
                 q, k_cache, v_cache, level.kv_indptr, level.kv_indices, level.kv_last_page_len,
-                self.kv_layout, sm_scale, level.num_splits, out, lse)
+                self.kv_layout, sm_scale, None, out, lse)
         else:
             torch.ops.cascadeinfer.batch_prefill_paged(
                 q, level.qo_indptr, k_cache, v_cache, level.kv_indptr, level.kv_indices,

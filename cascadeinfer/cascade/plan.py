@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from cascadeinfer.cascade.cost import DeviceModel, LevelShape, predict_seconds
+from cascadeinfer.layouts.indptr import validate_indptr
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,14 +47,6 @@ def _to_host(name: str, t: object) -> torch.Tensor:
         raise TypeError(f"{name}: expected a 1-D int32 tensor or a sequence of ints") from exc
 
 
-def _check_indptr(name: str, indptr: torch.Tensor) -> None:
-    if indptr.numel() < 1 or int(indptr[0]) != 0:
-        raise ValueError(f"{name}: must start at 0, got {indptr[:4].tolist()}")
-    if bool((indptr[1:] < indptr[:-1]).any()):
-        i = int(torch.nonzero(indptr[1:] < indptr[:-1])[0])
-        raise ValueError(f"{name}: must be non-decreasing, but [{i}]={int(indptr[i])} > [{i + 1}]={int(indptr[i + 1])}")
-
-
 def host_levels(
     qo_indptr_arr: Sequence,
     kv_indptr_arr: Sequence,
@@ -75,8 +68,8 @@ def host_levels(
         kp = _to_host(f"kv_indptr_arr[{lv}]", kv_indptr_arr[lv])
         ki = _to_host(f"kv_indices_arr[{lv}]", kv_indices_arr[lv])
         kl = _to_host(f"kv_last_page_len_arr[{lv}]", kv_last_page_len_arr[lv])
-        _check_indptr(f"qo_indptr_arr[{lv}]", qo)
-        _check_indptr(f"kv_indptr_arr[{lv}]", kp)
+        validate_indptr(f"qo_indptr_arr[{lv}]", qo.tolist())
+        validate_indptr(f"kv_indptr_arr[{lv}]", kp.tolist())
         groups = qo.numel() - 1
         if kp.numel() != groups + 1 or kl.numel() != groups:
             raise ValueError(
