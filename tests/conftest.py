@@ -71,3 +71,14 @@ def pytest_collection_modifyitems(config, items):
 def device() -> torch.device:
     """The device kernels run on: CUDA when present, else CPU through the interpreter."""
     return torch.device("cuda", torch.cuda.current_device()) if HAS_GPU else torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models gain nothing from intra-op threads; on a shared CPU (and under
+    pytest-xdist) their spin-waiting multiplies the CPU time. Restored afterwards.
+    Modules of tiny-model tests opt in with ``pytestmark = pytest.mark.usefixtures(...)``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -15,14 +15,7 @@ from cascadeinfer.engine.sampling import SamplingParams, make_generator, sample,
 from cascadeinfer.engine.sequence import Sequence
 from cascadeinfer.layouts.pool import OutOfPagesError, PagedKVPool
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny models gain nothing from intra-op threads; on a shared CPU (and under
-    pytest-xdist) their spin-waiting multiplies the CPU time. Restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # ---- cascade_tables ---------------------------------------------------------------------
