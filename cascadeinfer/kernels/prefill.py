@@ -134,6 +134,41 @@ def _softmax_step(
 
 
 @triton.jit
+def _paged_rows(
+    page,  # [BLOCK_N] int32 page id of each key of the tile
+    start,  # the tile's first key (position in its sequence)
+    stride_kp,
+    stride_kt,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """[BLOCK_N] int64 offsets of the tile's key rows in the pool (K and V share them)."""
+    slot = (start + tl.arange(0, BLOCK_N)) % PAGE_SIZE  # PAGE_SIZE constexpr: a mask or a multiply-shift
+    return page.to(tl.int64) * stride_kp + slot.to(tl.int64) * stride_kt
+
+
+@triton.jit
+def _full_tile(
+    acc, l_i, m_i,  # running state, as in _softmax_step
+    q,  # [BLOCK_M, BLOCK_D] storage dtype
+    k_rows,  # [BLOCK_N, 1] pointers to the tile's K rows
+    v_rows,  # [BLOCK_N, 1] pointers to the tile's V rows
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One key tile that every row sees in full: load K and V, fold them into the state."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    k = _load_tile(k_rows + offs_d[None, :], offs_n, offs_d, False, HEAD_DIM, BLOCK_D)
+    v = _load_tile(v_rows + offs_d[None, :], offs_n, offs_d, False, HEAD_DIM, BLOCK_D)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N], unscaled
+    return _softmax_step(acc, l_i, m_i, s, v, qk_scale, False, DOT_PRECISION)
+
+
+@triton.jit
 def _full_tiles(
     acc,  # [BLOCK_M, BLOCK_D] float32, un-normalised output
     l_i,  # [BLOCK_M] float32, running sum of exp2(score - m_i)
@@ -163,14 +198,12 @@ def _full_tiles(
     inside the iteration makes them an indirect load: one tile ahead, waited at once).
     """
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
     if PAGED:
         last = hi - BLOCK_N
         page = tl.load(page_ptr + (lo + offs_n) // PAGE_SIZE, mask=lo <= last, other=0)
     for start in tl.range(lo, hi, BLOCK_N):
         if PAGED:
-            slot = (start + offs_n) % PAGE_SIZE  # PAGE_SIZE constexpr: a mask or a multiply-shift
-            k_off = page.to(tl.int64) * stride_kp + slot.to(tl.int64) * stride_kt
+            k_off = _paged_rows(page, start, stride_kp, stride_kt, PAGE_SIZE, BLOCK_N)
             v_off = k_off  # paged K and V views share their strides (one PagedKV)
             # The next tile's page ids (the last tile re-reads its own: no mask needed).
             page = tl.load(page_ptr + (tl.minimum(start + BLOCK_N, last) + offs_n) // PAGE_SIZE)
@@ -178,10 +211,8 @@ def _full_tiles(
             t = (start + offs_n).to(tl.int64)
             k_off = t * stride_kt
             v_off = t * stride_vt
-        k = _load_tile(k_ptr + k_off[:, None] + offs_d[None, :], offs_n, offs_d, False, HEAD_DIM, BLOCK_D)
-        v = _load_tile(v_ptr + v_off[:, None] + offs_d[None, :], offs_n, offs_d, False, HEAD_DIM, BLOCK_D)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N], unscaled
-        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, s, v, qk_scale, False, DOT_PRECISION)
+        acc, l_i, m_i = _full_tile(acc, l_i, m_i, q, k_ptr + k_off[:, None], v_ptr + v_off[:, None], qk_scale,
+                                   HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION)
     return acc, l_i, m_i
 
 
@@ -228,6 +259,46 @@ def _masked_tiles(
         s = tl.where(t[None, :] < row_hi[:, None], s, float("-inf"))
         acc, l_i, m_i = _softmax_step(acc, l_i, m_i, s, v, qk_scale, True, DOT_PRECISION)
     return acc, l_i, m_i
+
+
+@triton.jit
+def _group_of_tile(
+    tile,  # this program's M tile in the sync-free tile map
+    qo_indptr_ptr,  # [num_groups + 1] int32
+    kv_indptr_ptr,  # [num_groups + 1] int32, pages (PAGED) or tokens
+    kv_last_page_len_ptr,  # [num_groups] int32 (PAGED only)
+    search_steps,  # ceil(log2(num_groups))
+    num_groups,
+    GROUP_SIZE: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    PAGED: tl.constexpr,
+):
+    """``(qo_start, qo_len, local_tile, kv_start, kv_len)`` of the group owning ``tile``.
+
+    The group is the largest ``g`` with ``start(g) <= tile``, ``start(g) = (qo_indptr[g] *
+    G + g * (BLOCK_M - 1)) // BLOCK_M``: a binary search over ``qo_indptr`` on the device.
+    """
+    lo_g = num_groups * 0
+    hi_g = num_groups
+    for _ in range(search_steps):
+        mid = (lo_g + hi_g) // 2
+        mid_start = (tl.load(qo_indptr_ptr + mid) * GROUP_SIZE + mid * (BLOCK_M - 1)) // BLOCK_M
+        go_right = mid_start <= tile
+        lo_g = tl.where(go_right, mid, lo_g)
+        hi_g = tl.where(go_right, hi_g, mid)
+    group = lo_g
+    qo_start = tl.load(qo_indptr_ptr + group)
+    qo_len = tl.load(qo_indptr_ptr + group + 1) - qo_start
+    local_tile = tile - (qo_start * GROUP_SIZE + group * (BLOCK_M - 1)) // BLOCK_M
+    kv_start = tl.load(kv_indptr_ptr + group)
+    kv_end = tl.load(kv_indptr_ptr + group + 1)
+    if PAGED:
+        last_len = tl.load(kv_last_page_len_ptr + group)
+        kv_len = tl.where(kv_end > kv_start, (kv_end - kv_start - 1) * PAGE_SIZE + last_len, 0)
+    else:
+        kv_len = kv_end - kv_start
+    return qo_start, qo_len, local_tile, kv_start, kv_len
 
 
 @triton.jit
@@ -284,26 +355,9 @@ def _prefill_kernel(
         kv_start = 0
         kv_len = one_group_kv_len
     else:
-        # Largest g with start(g) <= tile, start(g) = (qo_indptr[g] * G + g * (BLOCK_M - 1)) // BLOCK_M.
-        lo_g = num_groups * 0
-        hi_g = num_groups
-        for _ in range(search_steps):
-            mid = (lo_g + hi_g) // 2
-            mid_start = (tl.load(qo_indptr_ptr + mid) * GROUP_SIZE + mid * (BLOCK_M - 1)) // BLOCK_M
-            go_right = mid_start <= tile
-            lo_g = tl.where(go_right, mid, lo_g)
-            hi_g = tl.where(go_right, hi_g, mid)
-        group = lo_g
-        qo_start = tl.load(qo_indptr_ptr + group)
-        qo_len = tl.load(qo_indptr_ptr + group + 1) - qo_start
-        local_tile = tile - (qo_start * GROUP_SIZE + group * (BLOCK_M - 1)) // BLOCK_M
-        kv_start = tl.load(kv_indptr_ptr + group)
-        kv_end = tl.load(kv_indptr_ptr + group + 1)
-        if PAGED:
-            last_len = tl.load(kv_last_page_len_ptr + group)
-            kv_len = tl.where(kv_end > kv_start, (kv_end - kv_start - 1) * PAGE_SIZE + last_len, 0)
-        else:
-            kv_len = kv_end - kv_start
+        qo_start, qo_len, local_tile, kv_start, kv_len = _group_of_tile(
+            tile, qo_indptr_ptr, kv_indptr_ptr, kv_last_page_len_ptr, search_steps, num_groups,
+            GROUP_SIZE, PAGE_SIZE, BLOCK_M, PAGED)
     row0 = local_tile * BLOCK_M
     if row0 >= qo_len * GROUP_SIZE:
         return  # a slot of the upper-bound grid that holds no tile
