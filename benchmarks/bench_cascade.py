@@ -99,11 +99,10 @@ MAX_ROTATIONS = 16
 MAX_SDPA_BYTES = 24e9  # SDPA needs a gathered copy of batch x (prefix + suffix) tokens
 PLANNER_TOLERANCE = 1.05
 
-METHODS = ("cascade", "unfused", "flat", "planner", "fi_cascade", "fi_shipped", "fi_flat", "sdpa")
-OURS = ("cascade", "unfused", "flat", "planner")
+METHODS = ("cascade", "flat", "planner", "fi_cascade", "fi_shipped", "fi_flat", "sdpa")
+OURS = ("cascade", "flat", "planner")
 METHOD_TITLES = {
     "cascade": "ours cascade",
-    "unfused": "ours cascade, a launch per level",
     "flat": "ours flat",
     "planner": "ours planner",
     "fi_cascade": "FI cascade (fa2 x2 + merge)",
@@ -259,11 +258,11 @@ def poisoned(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> None:
         t.fill_(float("nan"))
 
 
-def ours(wl: Workload, use_cascade: bool | None, fuse: bool | None = None) -> Method:
+def ours(wl: Workload, use_cascade: bool | None) -> Method:
     s = wl.shape
     attn = MultiLevelCascadeAttention(2, kv_layout="NHD", device=wl.device)
     attn.plan(*wl.tables(), s.hq, s.hkv, s.head_dim, PAGE, num_pages=wl.num_pages, dtype=DTYPE,
-              use_cascade=use_cascade, fuse=fuse)
+              use_cascade=use_cascade)
     outs, lses = wl.out_buffers()
 
     def call(i):
@@ -460,7 +459,6 @@ def run_shape(shape: Shape, ceil: Ceilings, *, device, fi, peers: bool, fi_jit: 
     methods: dict[str, Method] = {}
     builders: dict[str, Callable[[], Method]] = {
         "cascade": lambda: ours(wl, True),
-        "unfused": lambda: ours(wl, True, fuse=False),
         "flat": lambda: ours(wl, False),
         "planner": lambda: ours(wl, None),
     }

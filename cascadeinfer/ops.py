@@ -23,10 +23,8 @@ import torch
 
 from cascadeinfer.kernels.append import append_paged_kv_cache
 from cascadeinfer.kernels.decode import batch_decode_paged
-from cascadeinfer.kernels.fused_cascade import FusedConfig, FusedPlan, fused_cascade_attention
 from cascadeinfer.kernels.merge import merge_state, merge_states
 from cascadeinfer.kernels.prefill import batch_prefill_paged, batch_prefill_ragged
-from cascadeinfer.layouts.paged_cache import unpack_paged_kv_cache
 
 
 def _cache(k_cache: torch.Tensor, v_cache: Optional[torch.Tensor]):
@@ -79,25 +77,6 @@ def batch_prefill_ragged_op(
                          out=out, lse=lse, validate=False)
 
 
-@torch.library.custom_op("cascadeinfer::fused_cascade", mutates_args=("out", "lse"))
-def fused_cascade_op(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: Optional[torch.Tensor], qo_indptr: torch.Tensor,
-    kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor,
-    suffix_kv_indices: torch.Tensor, state_indptr: torch.Tensor, item_indptr: torch.Tensor, items: torch.Tensor,
-    plan_ints: list[int], kv_layout: str, sm_scale: float, out: torch.Tensor, lse: torch.Tensor,
-) -> None:
-    """The cascade's fused last two levels (see :mod:`cascadeinfer.kernels.fused_cascade`).
-
-    ``plan_ints`` = ``(block_m, block_n, suf_n, num_warps, num_stages, num_tiles,
-    num_splits, num_slots)`` of the :class:`FusedPlan` the buffers came from.
-    """
-    *cfg, num_tiles, num_splits, num_slots = plan_ints
-    plan = FusedPlan(FusedConfig(*cfg), num_tiles, num_splits, state_indptr, item_indptr, items, num_slots)
-    kv = unpack_paged_kv_cache(_cache(k_cache, v_cache), kv_layout)
-    fused_cascade_attention(q, kv, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, suffix_kv_indices, plan,
-                            sm_scale=sm_scale, out=out, lse=lse)
-
-
 @torch.library.custom_op("cascadeinfer::append_paged_kv_cache", mutates_args=("k_cache", "v_cache"))
 def append_paged_kv_cache_op(
     append_key: torch.Tensor, append_value: torch.Tensor, batch_indices: torch.Tensor, positions: torch.Tensor,
@@ -112,7 +91,7 @@ def append_paged_kv_cache_op(
 # Every op only writes into its mutated arguments, so the fake (meta) implementations
 # have nothing to compute.
 for _op in (merge_state_op, merge_states_op, batch_decode_paged_op, batch_prefill_paged_op,
-            batch_prefill_ragged_op, fused_cascade_op, append_paged_kv_cache_op):
+            batch_prefill_ragged_op, append_paged_kv_cache_op):
     _op.register_fake(lambda *args, **kwargs: None)
 
 

@@ -2,10 +2,7 @@
 
 ``run`` launches one kernel per level (tensor-core prefill for levels with many queries
 per group, split-KV decode for a last level of one query per request) and merges the
-level states. When the last level is decode and the one above it is not (the
-shared-prefix batch decode case), those two run as ONE fused launch that interleaves the
-compute-bound prefix tiles with the bandwidth-bound suffix tiles, followed by one merge of
-every split state (:mod:`cascadeinfer.kernels.fused_cascade`). Or, when the planner predicts it is faster, one flat paged decode over
+level states; or, when the planner predicts it is faster, one flat paged decode over
 each request's concatenated page list. ``run`` reads nothing back from the device, so
 it can be captured in a CUDA graph; re-planning with tables of the same shapes writes
 into the same device buffers, so a captured graph replays with the new tables.
@@ -18,9 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from cascadeinfer._checks import FLOAT_DTYPES, check_tensor, default_sm_scale, normalize_device, use_triton
+from cascadeinfer._checks import FLOAT_DTYPES, check_tensor, default_sm_scale, normalize_device
 from cascadeinfer.cascade.plan import HostLevel, choose_cascade, flat_page_table, host_levels
-from cascadeinfer.kernels.fused_cascade import FusedPlan, fused_supported, plan_fused
 from cascadeinfer.ops import split_cache
 from cascadeinfer.layouts.paged_cache import check_kv_layout, unpack_paged_kv_cache
 
@@ -79,7 +75,6 @@ class MultiLevelCascadeAttention:
             "cuda" if torch.cuda.is_available() else "cpu"))
         self._levels: list[_DeviceLevel] = []
         self._flat: _DeviceLevel | None = None
-        self._fused: FusedPlan | None = None
         self._planned = False
 
     def plan(
@@ -98,7 +93,6 @@ class MultiLevelCascadeAttention:
         num_pages: int | None = None,
         dtype: torch.dtype = torch.bfloat16,
         use_cascade: bool | None = None,
-        fuse: bool | None = None,
     ) -> None:
         """Validate the levels on the host and lay out the metadata for :meth:`run`.
 
@@ -117,9 +111,6 @@ class MultiLevelCascadeAttention:
             use_cascade: force cascade (True) or flat decode (False); None lets the cost
                 model choose. Flat needs every level above the last to end on a full page
                 (or be empty); where it cannot, cascade is used and forcing flat raises.
-            fuse: run the last two levels as one fused launch when the last is decode and
-                the one above it is not (None: whenever the kernel has tiles for
-                ``dtype`` and ``head_dim``; False: one launch per level, as a baseline).
 
         This reads the tables on the host (a sync): call it once per batch shape change,
         not per layer. Re-planning with tables of the same shapes updates the device
@@ -158,16 +149,6 @@ class MultiLevelCascadeAttention:
         if self.use_cascade:
             old = self._levels if len(self._levels) == self.num_levels else [None] * self.num_levels
             self._levels = [_device_level(lv, self.device, o) for lv, o in zip(levels, old)]
-            fusable = (self.num_levels > 1 and self._levels[-1].decode and not self._levels[-2].decode
-                       and fused_supported(head_dim, dtype) and use_triton(self.device))
-            if fuse and not fusable:
-                raise ValueError("fuse: needs a decode last level under a prefill level, fp16/bf16, "
-                                 "head_dim <= 128 and Triton (a GPU or the interpreter)")
-            self._fused = None if fuse is False or not fusable else plan_fused(
-                levels[-2].qo_indptr, levels[-2].kv_indptr, levels[-2].kv_indices.numel(),
-                levels[-1].kv_indptr, levels[-1].kv_lens(page_size), levels[-1].kv_indices.numel(),
-                num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, page_size=page_size, device=self.device,
-                old=self._fused)
         else:
             self._flat = _device_level(flat, self.device, self._flat)
         self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size = num_qo_heads, num_kv_heads, head_dim, page_size
@@ -187,19 +168,6 @@ class MultiLevelCascadeAttention:
             torch.ops.cascadeinfer.batch_prefill_paged(
                 q, level.qo_indptr, k_cache, v_cache, level.kv_indptr, level.kv_indices,
                 level.kv_last_page_len, causal, self.kv_layout, sm_scale, out, lse)
-
-    def _run_fused(self, q, k_cache, v_cache, sm_scale, out, lse) -> None:
-        """Levels above the last two one by one, then the fused pair, then one merge."""
-        pre, last = self._levels[-2], self._levels[-1]
-        upper = self.num_levels > 2
-        o_f, lse_f = (torch.empty_like(q), torch.empty_like(lse)) if upper else (out, lse)
-        torch.ops.cascadeinfer.fused_cascade(
-            q, k_cache, v_cache, pre.qo_indptr, pre.kv_indptr, pre.kv_indices, pre.kv_last_page_len,
-            last.kv_indices, *self._fused.tensors(), self._fused.ints(), self.kv_layout, sm_scale, o_f, lse_f)
-        if not upper:
-            return
-        o_up, lse_up = self._merged_levels(self._levels[:-2], q, k_cache, v_cache, sm_scale)
-        torch.ops.cascadeinfer.merge_state(o_up, lse_up, o_f, lse_f, out, lse)
 
     def _merged_levels(self, levels, q, k_cache, v_cache, sm_scale):
         """The merged state of ``levels`` (none of them the last, so never causal)."""
@@ -255,8 +223,6 @@ class MultiLevelCascadeAttention:
             self._level_state(self._flat, q, k_cache, v_cache, self.causal, scale, out, lse)
         elif self.num_levels == 1:
             self._level_state(self._levels[0], q, k_cache, v_cache, self.causal, scale, out, lse)
-        elif self._fused is not None:
-            self._run_fused(q, k_cache, v_cache, scale, out, lse)
         else:
             o_up, lse_up = self._merged_levels(self._levels[:-1], q, k_cache, v_cache, scale)
             o_last, lse_last = torch.empty_like(q), torch.empty_like(lse)
