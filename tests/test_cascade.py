@@ -193,3 +193,32 @@ def test_cuda_graph_replay_after_tables_change():
     o_flat, lse_flat = fresh.run(q, cache, return_lse=True)
     torch.testing.assert_close(out.float(), o_flat.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse, lse_flat, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.gpu
+def test_decode_level_beside_the_prefix_level():
+    # Shared-prefix batch decode: the decode level runs on a side stream while the prefix
+    # level, with fewer KV splits than fill the GPU, runs on the caller's stream.
+    dev = torch.device("cuda")
+    batch, prefix_pages, suffix_pages, page_size, hq, hkv, d = 64, 512, 16, 16, 32, 8, 128
+    num_pages = prefix_pages + batch * suffix_pages
+    g = torch.Generator().manual_seed(3)
+    perm = torch.randperm(num_pages, generator=g).int()
+    tables = [[torch.tensor([0, batch]), torch.arange(batch + 1)],
+              [torch.tensor([0, prefix_pages]), torch.arange(batch + 1) * suffix_pages],
+              [perm[:prefix_pages], perm[prefix_pages:]],
+              [torch.tensor([page_size]), torch.randint(1, page_size + 1, (batch,), generator=g)]]
+    tables = [[t.int().to(dev) for t in x] for x in tables]
+    cache = torch.randn(num_pages, 2, page_size, hkv, d, dtype=torch.bfloat16, device=dev)
+    q = torch.randn(batch, hq, d, dtype=torch.bfloat16, device=dev)
+    attn = MultiLevelCascadeAttention(2, device=dev)
+    attn.plan(*tables, hq, hkv, d, page_size, use_cascade=True)
+    assert attn._overlap and attn._levels[0].num_splits is not None
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((batch, hq), float("nan"), device=dev)
+    attn.run(q, cache, out=out, lse=lse)
+    flat = MultiLevelCascadeAttention(2, device=dev)
+    flat.plan(*tables, hq, hkv, d, page_size, use_cascade=False)
+    o_flat, lse_flat = flat.run(q, cache, return_lse=True)
+    torch.testing.assert_close(out.float(), o_flat.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, lse_flat, atol=1e-3, rtol=1e-3)

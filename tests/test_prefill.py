@@ -443,6 +443,8 @@ def test_paged_bad_inputs(device, change, error, name):
     (lambda dev: dict(out=torch.empty(4, 4, 64, dtype=torch.float32, device=dev)), TypeError, "out"),
     (lambda dev: dict(lse=torch.empty(4, 4, dtype=torch.float64, device=dev)), TypeError, "lse"),
     (lambda dev: dict(lse=torch.empty(4, 2, device=dev)), ValueError, "lse"),
+    (lambda dev: dict(num_splits=0), ValueError, "num_splits"),
+    (lambda dev: dict(num_splits=2.0), ValueError, "num_splits"),
 ])
 def test_paged_bad_options(device, make_kw, error, name):
     with pytest.raises(error, match=rf"^{name}\b"):

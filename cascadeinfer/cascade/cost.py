@@ -30,6 +30,8 @@ class DeviceModel:
     decode_level_seconds: float = 10e-6  # fixed cost of a decode level (splits + their merge)
     merge_seconds: float = 2e-6  # fixed cost of merging two levels
     l2_miss_small: float = 0.3  # repeated reads of a level that fits in L2 that still miss
+    overlap_gain: float = 0.3  # of the shorter of a prefill level and the decode level under it,
+    # saved by running them on two streams (measured 0.28-0.43 on an H100, benchmarks/NOTES.md)
 
     @staticmethod
     def for_device(device: torch.device | None) -> "DeviceModel":
@@ -53,6 +55,21 @@ class LevelShape:
     flat_key_reads: int  # keys of this level that flat attention reads (once per last-level group)
 
 
+def overlaps(levels: list[LevelShape]) -> bool:
+    """Whether the last level (decode) runs on a second stream beside the prefill level above it."""
+    return len(levels) > 1 and levels[-1].decode and not levels[-2].decode
+
+
+def prefix_sm_fraction(t_prefix: float, t_decode: float) -> float:
+    """The share of SMs the prefill level should take when the decode level runs beside it.
+
+    Proportional to the two times, with the decode's counted half: decode programs pack
+    2-3 to an SM and draw more bandwidth per SM when fewer SMs compete for it. Measured on
+    an H100 at the issue's four shapes, this picks the best or within 2% of the best split.
+    """
+    return t_prefix / (t_prefix + 0.5 * t_decode) if t_prefix > 0 else 1.0
+
+
 def predict_seconds(
     levels: list[LevelShape],
     *,
@@ -61,14 +78,17 @@ def predict_seconds(
     head_dim: int,
     elem_bytes: int,
     model: DeviceModel,
+    per_level: list[float] | None = None,
 ) -> tuple[float, float]:
     """Predicted seconds of (cascade, flat) for the same batch.
 
     A level takes the larger of its memory time (unique K/V once) and its compute time
     (tensor-core prefill, or the decode kernel's padded dot), plus a fixed cost; levels
-    after the first add a merge. Flat runs the last level's kernel over every key of every
-    level: keys of an upper level are re-read once per request, from L2 when the level
-    fits there (``l2_miss_small`` of them still miss).
+    after the first add a merge; a decode level that runs beside the prefill level above
+    it (:func:`overlaps`) saves ``overlap_gain`` of the shorter of the two. Flat runs the
+    last level's kernel over every key of every level: keys of an upper level are re-read
+    once per request, from L2 when the level fits there (``l2_miss_small`` of them still
+    miss). ``per_level``, if given, receives each cascade level's predicted seconds.
     """
     kv_bytes_per_key = 2 * num_kv_heads * head_dim * elem_bytes
     bw = model.copy_bandwidth * model.decode_bandwidth_efficiency
@@ -83,8 +103,12 @@ def predict_seconds(
         return max(key_bytes / bw, flop * pairs / rate) + fixed
 
     state_bytes = levels[-1].num_queries * num_qo_heads * (head_dim * elem_bytes + 4)
-    cascade = sum(level_time(lv, lv.unique_keys * kv_bytes_per_key, lv.query_key_pairs) for lv in levels)
-    cascade += (len(levels) - 1) * (model.merge_seconds + 3 * state_bytes / bw)
+    times = [level_time(lv, lv.unique_keys * kv_bytes_per_key, lv.query_key_pairs) for lv in levels]
+    if per_level is not None:
+        per_level[:] = times
+    cascade = sum(times) + (len(levels) - 1) * (model.merge_seconds + 3 * state_bytes / bw)
+    if overlaps(levels):
+        cascade -= model.overlap_gain * min(times[-2], times[-1])
 
     flat_bytes = 0.0
     for lv in levels:

@@ -2,7 +2,9 @@
 
 ``run`` launches one kernel per level (tensor-core prefill for levels with many queries
 per group, split-KV decode for a last level of one query per request) and merges the
-level states; or, when the planner predicts it is faster, one flat paged decode over
+level states. The decode level under a prefill level (the shared-prefix batch decode
+case) runs on a side stream while the prefill level, sized to leave it a share of the
+SMs, runs on the caller's stream: one is compute-bound, the other bandwidth-bound. Or, when the planner predicts it is faster, one flat paged decode over
 each request's concatenated page list. ``run`` reads nothing back from the device, so
 it can be captured in a CUDA graph; re-planning with tables of the same shapes writes
 into the same device buffers, so a captured graph replays with the new tables.
@@ -17,6 +19,7 @@ import torch
 
 from cascadeinfer._checks import FLOAT_DTYPES, check_tensor, default_sm_scale, normalize_device
 from cascadeinfer.cascade.plan import HostLevel, choose_cascade, flat_page_table, host_levels
+from cascadeinfer.kernels.prefill import paged_num_splits
 from cascadeinfer.ops import split_cache
 from cascadeinfer.layouts.paged_cache import check_kv_layout, unpack_paged_kv_cache
 
@@ -30,6 +33,7 @@ class _DeviceLevel:
     kv_indices: torch.Tensor
     kv_last_page_len: torch.Tensor
     decode: bool
+    num_splits: int | None = None  # prefill levels: KV splits (None: the kernel's default)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return self.qo_indptr, self.kv_indptr, self.kv_indices, self.kv_last_page_len
@@ -44,6 +48,7 @@ def _device_level(level: HostLevel, device: torch.device, old: _DeviceLevel | No
         for o, n in zip(old.tensors(), tensors):
             o.copy_(n)  # in place: a graph captured on these buffers sees the new tables
         old.decode = decode
+        old.num_splits = None
         return old
     return _DeviceLevel(*tensors, decode=decode)
 
@@ -75,6 +80,8 @@ class MultiLevelCascadeAttention:
             "cuda" if torch.cuda.is_available() else "cpu"))
         self._levels: list[_DeviceLevel] = []
         self._flat: _DeviceLevel | None = None
+        self._overlap = False
+        self._stream: torch.cuda.Stream | None = None
         self._planned = False
 
     def plan(
@@ -132,7 +139,7 @@ class MultiLevelCascadeAttention:
                 raise ValueError(
                     f"qo_indptr_arr[{self.num_levels - 1}]: with causal=True each last-level group's queries must be "
                     f"its last keys, but group {g} has more queries than keys")
-        cascade, self.predicted_cascade_s, self.predicted_flat_s = choose_cascade(
+        cascade, self.predicted_cascade_s, self.predicted_flat_s, prefix_share = choose_cascade(
             levels, page_size=page_size, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
             head_dim=head_dim, elem_bytes=torch.empty((), dtype=dtype).element_size(), device=self.device,
         )
@@ -146,9 +153,18 @@ class MultiLevelCascadeAttention:
                     raise ValueError("use_cascade: flat decode needs every level above the last to end on a full page")
                 cascade = True
         self.use_cascade = cascade or self.num_levels == 1
+        self._overlap = False
         if self.use_cascade:
             old = self._levels if len(self._levels) == self.num_levels else [None] * self.num_levels
             self._levels = [_device_level(lv, self.device, o) for lv, o in zip(levels, old)]
+            # The decode level runs on a side stream beside the prefill level above it; that
+            # level's grid is sized to leave the decode its share of the SMs (from shapes).
+            self._overlap = prefix_share is not None and self.device.type == "cuda"
+            if self._overlap:
+                pre = levels[-2]
+                self._levels[-2].num_splits = paged_num_splits(
+                    int(pre.qo_indptr[-1]), pre.num_groups, num_qo_heads, num_kv_heads, head_dim, dtype,
+                    pre.kv_indices.numel() * page_size, self.device, sm_share=prefix_share)
         else:
             self._flat = _device_level(flat, self.device, self._flat)
         self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size = num_qo_heads, num_kv_heads, head_dim, page_size
@@ -167,7 +183,12 @@ class MultiLevelCascadeAttention:
         else:
             torch.ops.cascadeinfer.batch_prefill_paged(
                 q, level.qo_indptr, k_cache, v_cache, level.kv_indptr, level.kv_indices,
-                level.kv_last_page_len, causal, self.kv_layout, sm_scale, out, lse)
+                level.kv_last_page_len, causal, self.kv_layout, sm_scale, level.num_splits, out, lse)
+
+    def _side_stream(self) -> torch.cuda.Stream:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        return self._stream
 
     def _merged_levels(self, levels, q, k_cache, v_cache, sm_scale):
         """The merged state of ``levels`` (none of them the last, so never causal)."""
@@ -224,8 +245,22 @@ class MultiLevelCascadeAttention:
         elif self.num_levels == 1:
             self._level_state(self._levels[0], q, k_cache, v_cache, self.causal, scale, out, lse)
         else:
-            o_up, lse_up = self._merged_levels(self._levels[:-1], q, k_cache, v_cache, scale)
             o_last, lse_last = torch.empty_like(q), torch.empty_like(lse)
-            self._level_state(self._levels[-1], q, k_cache, v_cache, self.causal, scale, o_last, lse_last)
+            last = lambda: self._level_state(  # noqa: E731
+                self._levels[-1], q, k_cache, v_cache, self.causal, scale, o_last, lse_last)
+            side = self._side_stream() if self._overlap and not torch.compiler.is_compiling() else None
+            if side is None:
+                o_up, lse_up = self._merged_levels(self._levels[:-1], q, k_cache, v_cache, scale)
+                last()
+            else:
+                # Prefill levels (compute-bound, on the current stream) first, so that their
+                # programs take their share of the SMs; the decode level (bandwidth-bound)
+                # fills the others from a side stream. Both streams only read q and the cache.
+                main = torch.cuda.current_stream(q.device)
+                side.wait_stream(main)
+                o_up, lse_up = self._merged_levels(self._levels[:-1], q, k_cache, v_cache, scale)
+                with torch.cuda.stream(side):
+                    last()
+                main.wait_stream(side)
             torch.ops.cascadeinfer.merge_state(o_up, lse_up, o_last, lse_last, out, lse)
         return (out, lse) if return_lse else out

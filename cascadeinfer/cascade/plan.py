@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cascadeinfer.cascade.cost import DeviceModel, LevelShape, predict_seconds
+from cascadeinfer.cascade.cost import DeviceModel, LevelShape, overlaps, predict_seconds, prefix_sm_fraction
 from cascadeinfer.layouts.indptr import validate_indptr
 
 
@@ -163,13 +163,17 @@ def flat_page_table(levels: list[HostLevel], page_size: int) -> HostLevel | None
 def choose_cascade(
     levels: list[HostLevel], *, page_size: int, num_qo_heads: int, num_kv_heads: int, head_dim: int,
     elem_bytes: int, device: torch.device | None,
-) -> tuple[bool, float, float]:
-    """(is cascade predicted faster?, predicted cascade seconds, predicted flat seconds).
+) -> tuple[bool, float, float, float | None]:
+    """(is cascade predicted faster?, predicted cascade seconds, predicted flat seconds,
+    the SM share of the prefill level when the decode level runs beside it, else None).
 
     Whether flat decode is possible at all (:func:`flat_page_table`) is the caller's check.
     """
+    shapes = level_shapes(levels, page_size)
+    times: list[float] = []
     t_cascade, t_flat = predict_seconds(
-        level_shapes(levels, page_size), num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-        head_dim=head_dim, elem_bytes=elem_bytes, model=DeviceModel.for_device(device),
+        shapes, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, elem_bytes=elem_bytes, model=DeviceModel.for_device(device), per_level=times,
     )
-    return t_cascade < t_flat, t_cascade, t_flat
+    share = prefix_sm_fraction(times[-2], times[-1]) if overlaps(shapes) else None
+    return t_cascade < t_flat, t_cascade, t_flat, share

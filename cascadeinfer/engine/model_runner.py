@@ -221,7 +221,7 @@ class ModelRunner:
         mc = self.model.config
         hosts = [lv.host_level() for lv in levels]
         # Flat decode is always possible here (levels above the last hold full pages only).
-        cascade, _, _ = choose_cascade(
+        cascade, _, _, _ = choose_cascade(
             hosts, page_size=self.page_size,
             num_qo_heads=mc.num_qo_heads, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
             elem_bytes=self.pool.cache.element_size(), device=self.config.device)

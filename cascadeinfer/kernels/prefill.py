@@ -505,19 +505,32 @@ def num_m_tiles(nnz_qo: int, num_groups: int, group_size: int, block_m: int) -> 
     return (nnz_qo * group_size + num_groups * (block_m - 1)) // block_m
 
 
-def default_num_splits(num_tiles: int, num_kv_heads: int, max_kv_len: int, device: torch.device) -> int:
+def default_num_splits(num_tiles: int, num_kv_heads: int, max_kv_len: int, device: torch.device,
+                       sm_share: float = 1.0) -> int:
     """KV splits per group, from shapes only (never from indptr contents).
 
     Without splitting the grid has ``num_tiles * num_kv_heads`` programs. When that is
     below the SM count, split each group's KV into as many chunks as keep the grid within
     one wave (``sms // programs``), but no chunk shorter than ``_MIN_KEYS_PER_SPLIT`` keys
     of the longest possible group (``max_kv_len``, an upper bound from the shapes).
+    ``sm_share < 1`` sizes the wave to that share of the SMs (the rest run another
+    stream's work).
     """
     programs = max(1, num_tiles * num_kv_heads)
-    sms = _num_sms(device)
+    sms = int(_num_sms(device) * sm_share)
     if programs >= sms:
         return 1
     return max(1, min(sms // programs, max_kv_len // _MIN_KEYS_PER_SPLIT))
+
+
+def paged_num_splits(nnz_qo: int, num_groups: int, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+                     dtype: torch.dtype, max_kv_len: int, device: torch.device, sm_share: float = 1.0) -> int:
+    """The split count :func:`batch_prefill_paged` takes by default for these shapes, or for
+    a grid sized to ``sm_share`` of the SMs (pass the result as ``num_splits``)."""
+    rows = -(-nnz_qo * (num_qo_heads // num_kv_heads) // max(1, num_groups))
+    config = default_tile_config(head_dim, dtype, rows)
+    tiles = num_m_tiles(nnz_qo, num_groups, num_qo_heads // num_kv_heads, config.block_m)
+    return default_num_splits(tiles, num_kv_heads, max_kv_len, device, sm_share)
 
 
 @dataclass(frozen=True, slots=True)
@@ -717,6 +730,7 @@ def batch_prefill_paged(
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     validate: bool = True,
+    num_splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ragged query groups over their pages of a paged KV cache.
 
@@ -741,6 +755,9 @@ def batch_prefill_paged(
         lse: optional float32 ``[nnz_qo, num_qo_heads]`` buffer.
         validate: read the index tensors on the host to check their contents (skipped
             while a CUDA graph is being captured). Pass False once they are known good.
+        num_splits: KV splits per group (their states merged into ``out``); None: as
+            many as fill one wave of programs (:func:`default_num_splits`, from shapes).
+            Fewer leave SMs free for work on another stream (the cascade's suffix decode).
 
     Returns:
         ``(o, lse)``: ``o`` like ``q``; ``lse`` float32 ``[nnz_qo, num_qo_heads]``, NATURAL
@@ -752,6 +769,8 @@ def batch_prefill_paged(
     """
     _check_q(q)
     _check_flag("causal", causal)
+    if num_splits is not None and (not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1):
+        raise ValueError(f"num_splits: expected a positive int or None, got {num_splits!r}")
     kv = unpack_paged_kv_cache(paged_kv_cache, kv_layout)
     device = same_device(("q", q), ("paged_kv_cache", kv.k))
     _check_qo_indptr(qo_indptr, device)
@@ -770,7 +789,7 @@ def batch_prefill_paged(
         )
         return _store(out, lse, o64, lse64)
     source = _paged_source(kv, kv_indptr, kv_indices, kv_last_page_len)
-    return _run(q, qo_indptr, source, out, lse, causal=causal, sm_scale=scale)
+    return _run(q, qo_indptr, source, out, lse, causal=causal, sm_scale=scale, num_splits=num_splits)
 
 
 def _ragged_source(q: torch.Tensor, k: object, v: object, kv_indptr: torch.Tensor | None) -> _KVSource:

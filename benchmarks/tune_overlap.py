@@ -1,0 +1,124 @@
+"""Can the suffix decode run beside the shared-prefix level on SMs the prefix leaves free?
+
+    python -m benchmarks.tune_overlap                 # the four issue shapes
+
+The prefix level (128x128 tiles, one program per SM) is compute-bound, the suffix decode
+bandwidth-bound. One after the other their times add. Here the prefix is launched with
+fewer KV splits than fill the GPU (so some SMs stay free), and the decode on a second
+stream fills the rest; or the decode goes first with a limited grid (``num_splits``
+programs per KV head) and the prefix takes the remaining SMs. Every variant is checked
+against the serial cascade on rotation 0 and timed in one CUDA graph over rotated pools.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from benchmarks._common import bench_rotating, environment, markdown_table, measure_ceilings, roofline_floor, write_json
+from benchmarks.bench_cascade import BAR_SHAPES, DTYPE, MIN_POOL_BYTES, PAGE, Shape, Workload
+from cascadeinfer.cascade.multi_level import MultiLevelCascadeAttention
+from cascadeinfer.kernels import prefill as P
+from cascadeinfer.kernels.decode import batch_decode_paged
+from cascadeinfer.kernels.merge import merge_state
+from cascadeinfer.layouts.paged_cache import unpack_paged_kv_cache
+
+
+def two_streams(wl: Workload, prefix_splits: int, decode_splits: int | None, decode_first: bool):
+    """Closures over each rotation: prefix (main stream) and suffix decode (side stream), merged."""
+    qo, kp, ki, kl = wl.tables()
+    side = torch.cuda.Stream()
+    bufs = [(torch.empty_like(q), torch.empty(q.shape[:2], device=q.device), torch.empty_like(q),
+             torch.empty(q.shape[:2], device=q.device), torch.empty_like(q), torch.empty(q.shape[:2], device=q.device))
+            for q in wl.qs]
+
+    def call(i):
+        q, pool = wl.qs[i], wl.pools[i]
+        o_p, l_p, o_s, l_s, out, lse = bufs[i]
+        source = P._paged_source(unpack_paged_kv_cache(pool, "NHD"), kp[0], ki[0], kl[0])
+
+        def prefix():
+            P._run(q, qo[0], source, o_p, l_p, causal=False, sm_scale=wl.shape.head_dim ** -0.5,
+                   num_splits=prefix_splits)
+
+        def run():
+            main = torch.cuda.current_stream()
+            side.wait_stream(main)
+            if not decode_first:
+                prefix()
+            with torch.cuda.stream(side):
+                batch_decode_paged(q, pool, kp[1], ki[1], kl[1], num_splits=decode_splits, out=o_s, lse=l_s,
+                                   validate=False)
+            if decode_first:
+                prefix()
+            main.wait_stream(side)
+            merge_state(o_p, l_p, o_s, l_s, out=out, out_lse=lse)
+            return out, lse
+        return run
+
+    return [call(i) for i in range(wl.rot)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", nargs="*", help="batch,prefix,suffix triples (default: the issue's four)")
+    ap.add_argument("--rep-ms", type=int, default=60)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("tune_overlap needs a CUDA device")
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    print("#", environment(), flush=True)
+    copy_bw, mm_rate = measure_ceilings()
+    shapes = [Shape(*map(int, t.split(","))) for t in args.shapes] if args.shapes else \
+        [Shape(b, p, x) for b, p, x in BAR_SHAPES]
+    rows = []
+    for s in shapes:
+        wl = Workload(s, dev, seed=0, min_pool_bytes=MIN_POOL_BYTES, max_rot=16)
+        floor = roofline_floor(s.io_bytes, s.flops, copy_bw, mm_rate)
+        attn = MultiLevelCascadeAttention(2, device=dev)
+        attn.plan(*wl.tables(), s.hq, s.hkv, s.head_dim, PAGE, num_pages=wl.num_pages, dtype=DTYPE, use_cascade=True)
+        o_ref, lse_ref = attn.run(wl.qs[0], wl.pools[0], return_lse=True)
+        o_ref, lse_ref = o_ref.clone(), lse_ref.clone()
+        serial = bench_rotating([lambda i=i: attn.run(wl.qs[i], wl.pools[i]) for i in range(wl.rot)],
+                                rep_ms=args.rep_ms)
+        row = dict(shape=f"{s.batch},{s.prefix},{s.suffix}", floor_us=floor * 1e6, serial=serial * 1e6)
+        cfg = P.default_tile_config(s.head_dim, DTYPE, s.batch * s.hq // s.hkv)
+        pairs = P.num_m_tiles(s.batch, 1, s.hq // s.hkv, cfg.block_m) * s.hkv
+        full = max(1, sms // pairs)
+        variants = {}
+        for splits in sorted({max(1, full - k) for k in range(0, 4)} | {max(1, full * 3 // 4)}):
+            variants[f"prefix s{splits} ({pairs * splits} progs) then decode"] = (splits, None, False)
+        for per_head in (2, 3, 4, 6):
+            variants[f"decode {per_head * s.hkv} progs then prefix s{full}"] = (full, per_head, True)
+        best = ("serial", serial)
+        for name, (ps, ds, first) in variants.items():
+            try:
+                calls = two_streams(wl, ps, ds, first)
+                o, lse = calls[0]()
+                torch.cuda.synchronize()
+                err = (o.float() - o_ref.float()).abs().max().item()
+                lerr = (lse - lse_ref).abs().max().item()
+                if not (err < 3e-2 and lerr < 2e-3):
+                    row[name] = f"WRONG {err:.2g}/{lerr:.2g}"
+                    continue
+                t = bench_rotating(calls, rep_ms=args.rep_ms)
+                row[name] = t * 1e6
+                if t < best[1]:
+                    best = (name, t)
+            except Exception as exc:  # noqa: BLE001 — a variant that fails is a table cell
+                row[name] = f"{type(exc).__name__}: {str(exc)[:80]}"
+        row["best"] = f"{best[0]}: {best[1] * 1e6:.1f} us ({floor / best[1]:.2f} of floor)"
+        print("#", {k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+        rows.append(row)
+        del wl, attn
+        torch.cuda.empty_cache()
+    for r in rows:
+        print(markdown_table([dict(variant=k, us=v) for k, v in r.items()], ["variant", "us"]))
+    write_json("tune_overlap.json", dict(env=environment(), copy_bw=copy_bw, mm_rate=mm_rate, rows=rows))
+
+
+if __name__ == "__main__":
+    main()
