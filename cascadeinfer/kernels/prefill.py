@@ -513,14 +513,19 @@ def default_num_splits(num_tiles: int, num_kv_heads: int, max_kv_len: int, devic
     below the SM count, split each group's KV into as many chunks as keep the grid within
     one wave (``sms // programs``), but no chunk shorter than ``_MIN_KEYS_PER_SPLIT`` keys
     of the longest possible group (``max_kv_len``, an upper bound from the shapes).
-    ``sm_share < 1`` sizes the wave to that share of the SMs (the rest run another
-    stream's work).
+    ``sm_share < 1`` sizes the grid to the program count nearest that share of the SMs
+    (the rest run another stream's work), never above one wave.
     """
     programs = max(1, num_tiles * num_kv_heads)
-    sms = int(_num_sms(device) * sm_share)
+    sms = _num_sms(device)
     if programs >= sms:
         return 1
-    return max(1, min(sms // programs, max_kv_len // _MIN_KEYS_PER_SPLIT))
+    splits = sms // programs
+    if sm_share < 1:
+        target = sm_share * sms
+        lo = max(1, int(target // programs))
+        splits = min(splits, lo if target - lo * programs <= (lo + 1) * programs - target else lo + 1)
+    return max(1, min(splits, max_kv_len // _MIN_KEYS_PER_SPLIT))
 
 
 def paged_num_splits(nnz_qo: int, num_groups: int, num_qo_heads: int, num_kv_heads: int, head_dim: int,
