@@ -162,11 +162,11 @@ class MultiLevelCascadeAttention:
             # Only where the prefill level's programs take a whole SM each (128-row tiles):
             # then a smaller grid leaves whole SMs free. (With 64-row tiles, two to an SM,
             # it measured slower on an H100: Hkv 32, (64, 8192, 256) 151 -> 173 us.)
-            pre = levels[-2]
-            nnz_pre = int(pre.qo_indptr[-1])
-            rows = -(-nnz_pre * (num_qo_heads // num_kv_heads) // max(1, pre.num_groups))
-            self._overlap = (prefix_share is not None and self.device.type == "cuda"
-                             and default_tile_config(head_dim, dtype, rows).block_m >= 128)
+            if prefix_share is not None and self.device.type == "cuda":
+                pre = levels[-2]
+                nnz_pre = int(pre.qo_indptr[-1])
+                rows = -(-nnz_pre * (num_qo_heads // num_kv_heads) // max(1, pre.num_groups))
+                self._overlap = default_tile_config(head_dim, dtype, rows).block_m >= 128
             if self._overlap:
                 self._levels[-2].num_splits = paged_num_splits(
                     nnz_pre, pre.num_groups, num_qo_heads, num_kv_heads, head_dim, dtype,
