@@ -4,7 +4,8 @@
 per group, split-KV decode for a last level of one query per request) and merges the
 level states. The decode level under a prefill level (the shared-prefix batch decode
 case) runs on a side stream while the prefill level, sized to leave it a share of the
-SMs, runs on the caller's stream: one is compute-bound, the other bandwidth-bound. Or, when the planner predicts it is faster, one flat paged decode over
+SMs, runs on the caller's stream: one is compute-bound, the other bandwidth-bound. Or,
+when the planner predicts it is faster, one flat paged decode over
 each request's concatenated page list. ``run`` reads nothing back from the device, so
 it can be captured in a CUDA graph; re-planning with tables of the same shapes writes
 into the same device buffers, so a captured graph replays with the new tables.
@@ -167,10 +168,10 @@ class MultiLevelCascadeAttention:
                 nnz_pre = int(pre.qo_indptr[-1])
                 rows = -(-nnz_pre * (num_qo_heads // num_kv_heads) // max(1, pre.num_groups))
                 self._overlap = default_tile_config(head_dim, dtype, rows).block_m >= 128
-            if self._overlap:
-                self._levels[-2].num_splits = paged_num_splits(
-                    nnz_pre, pre.num_groups, num_qo_heads, num_kv_heads, head_dim, dtype,
-                    pre.kv_indices.numel() * page_size, self.device, sm_share=prefix_share)
+                if self._overlap:
+                    self._levels[-2].num_splits = paged_num_splits(
+                        nnz_pre, pre.num_groups, num_qo_heads, num_kv_heads, head_dim, dtype,
+                        pre.kv_indices.numel() * page_size, self.device, sm_share=prefix_share)
         else:
             self._flat = _device_level(flat, self.device, self._flat)
         self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size = num_qo_heads, num_kv_heads, head_dim, page_size
