@@ -1,50 +1,39 @@
-"""Per-request paged decode: one query token per request over its own paged KV, with the
-KV of the whole batch split evenly over a fixed grid (balanced split-KV, planned on the device).
+"""Per-request paged decode: one query token per request over its own paged KV (split-KV).
 
-Work: for one kv head, the pages of all requests laid end to end — ``kv_indptr`` is
-exactly the prefix sum of that concatenation. The grid is fixed from shapes only: ``P``
-programs per kv head (``num_splits``; by default one wave of the chosen launch config,
-:func:`decode_num_splits`). Program ``p`` reads ``total = kv_indptr[batch] -
-kv_indptr[0]`` on the device, takes pages ``[p*W, (p+1)*W)`` of the concatenation with
-``W = max(cdiv(total, P), min_pages)``, finds the request that holds its first page by
-counting the ``kv_indptr`` entries at or below it (a vector compare over blocks of
-``kv_indptr``, no chain of scalar loads), and walks the requests until its range ends.
-Each (program, request) piece is a *segment*; a segment covering its request's whole
-page range writes ``out``/``lse`` directly, a partial one writes an fp32 attention state
-into scratch slot ``p + r`` (the programs touching request ``r`` form a contiguous range
-``a_r..b_r`` and ``a_{r+1} >= b_r``, so ``p + r`` is unique: ``P + batch`` slots).
-Stage 2 (``_decode_merge_kernel``, one program per (stage-1 program p, block of query
-heads)) repeats the search for p's pages, finds the request that starts in them and runs
-past them (if any), and merges its slots ``a_r + r .. b_r + r`` into ``out``/``lse``;
-every other program exits. Its plan reads only ``kv_indptr``, so on sm_90+ it is a
-programmatic dependent launch that plans while stage 1 runs and waits only to merge.
-Requests with no pages get ``(0, -inf)`` from the one stage-1 program whose range ends at
-or after their position (program 0 for the leading ones).
+Stage 1 (``_decode_kernel``) runs one program per (request, kv head, split). The query
+heads that share a kv head are packed into the M dimension of a ``tl.dot`` (padded to 16
+rows and masked), so each K/V tile is read from memory once for the whole group and the
+products run on tensor cores. A split owns a contiguous range of its request's pages,
+``cdiv(num_pages, num_splits)`` of them, computed inside the kernel from the page table;
+the grid comes from shapes only (``batch * num_kv_heads * num_splits`` programs), so the
+launch never reads the page table on the host and can be captured in a CUDA graph.
 
-Nothing is read on the host (the grid comes from shapes, ``W`` and the split points from
-the device), so one captured CUDA graph serves any page table of the same shapes —
-including a different total number of pages — and variable lengths are balanced: one
-64K-token request among a hundred short ones is cut into ``P`` equal pieces, not one.
+With one split the kernel writes the output and the natural-log LSE directly. With more,
+each split writes its attention state (normalised fp32 output, natural-log LSE; an empty
+range gives ``(0, -inf)``) and stage 2, the kernel of
+:func:`cascadeinfer.kernels.merge.merge_states`, merges them straight into the output in
+q's dtype. The default plan (:func:`pick_decode_config`, :func:`decode_num_splits`) picks
+the launch config and the split count from ``batch * num_kv_heads`` and the SM count
+alone: one wave of programs with enough K/V loads in flight, and no split at all once
+there are 1.5x more (request, kv head) pairs than SMs.
 
-Inside a segment the query heads that share a kv head are packed into the M dimension of
-a ``tl.dot`` (padded to 16 rows and masked), so each K/V tile is read from memory once
-for the whole group and the products run on tensor cores. Scores are kept in base 2:
-``log2(e) * sm_scale`` is folded into one scale and the softmax uses ``exp2``; the LSE is
-turned back into a natural log at the store. fp32 inputs use ``input_precision="ieee"``
-(exact fp32 products); fp16/bf16 inputs round the probabilities to the input dtype before
-``p @ v`` (the usual flash-attention trade: error about one unit of the input precision).
+Inside the kernel scores are kept in base 2: ``log2(e) * sm_scale`` is folded into one
+scale and the softmax uses ``exp2``; the LSE is turned back into a natural log at the store.
+
+fp32 inputs use ``input_precision="ieee"`` for both products (exact fp32 on the GPU, no
+tf32 rounding); fp16/bf16 inputs run the products on tensor cores with the probabilities
+rounded to the input dtype before ``p @ v`` (the usual flash-attention trade: error about
+one unit of the input precision).
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from cascadeinfer._checks import (
     FLOAT_DTYPES,
@@ -58,10 +47,10 @@ from cascadeinfer._checks import (
     same_device,
     use_triton,
 )
+from cascadeinfer.kernels import merge as merge_mod
 from cascadeinfer.layouts.paged_cache import PagedKV, PagedKVCache, unpack_paged_kv_cache
 
 LOG2E = 1.4426950408889634  # log2(e): natural-log scores -> base-2 scores
-_LOG2E = tl.constexpr(LOG2E)  # the same, inside kernels
 _LN2 = tl.constexpr(0.6931471805599453)  # ln(2): base-2 LSE -> natural-log LSE (used in the kernel)
 
 
@@ -73,34 +62,42 @@ def _decode_tile(
     v_ptr,  # V pool, already offset to this kv head
     page_ptr,  # [num_pages_of_request] int32: kv_indices + kv_indptr[request]
     t,  # first token of this tile (position inside the request)
-    t_end,  # one past the last token of this segment
+    t_end,  # one past the last token this program reads
     stride_page, stride_token,
     qk_scale,  # sm_scale * log2(e)
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    MASKED: tl.constexpr,  # the tile may reach past t_end (the tail tile)
     IEEE: tl.constexpr,  # fp32 inputs: exact fp32 products
 ):
-    """One BLOCK_N-key tile of the online softmax; keys at or past t_end are masked."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     tok = t + offs_n  # [BLOCK_N]
-    # Keys past t_end (the segment's last tile) read the last real key again — its page id
-    # is in the table and its memory valid — rather than predicated loads (sm_90a: ~30 PTX
-    # instructions fewer per tile, 168 registers against 210); their scores are masked.
-    tok_ld = tl.minimum(tok, t_end - 1)
     if PAGE_SIZE % BLOCK_N == 0:
         # The whole tile lies inside one page (t is a multiple of BLOCK_N): one index load.
         page = tl.load(page_ptr + t // PAGE_SIZE).to(tl.int64)
+        rows = page * stride_page + (tok % PAGE_SIZE).to(tl.int64) * stride_token
     else:
         # Small pages: look up each token's page (BLOCK_N // PAGE_SIZE distinct indices).
-        page = tl.load(page_ptr + tok_ld // PAGE_SIZE).to(tl.int64)
-    rows = page * stride_page + (tok_ld % PAGE_SIZE).to(tl.int64) * stride_token
+        if MASKED:
+            page = tl.load(page_ptr + tok // PAGE_SIZE, mask=tok < t_end, other=0)
+        else:
+            page = tl.load(page_ptr + tok // PAGE_SIZE)
+        rows = page.to(tl.int64) * stride_page + (tok % PAGE_SIZE).to(tl.int64) * stride_token
     offs = rows[:, None] + offs_d[None, :]  # [BLOCK_N, BLOCK_D] int64
 
     # K and V stay in the input dtype: they only feed tl.dot (no elementwise math on them).
-    if BLOCK_D == HEAD_DIM:
+    if MASKED:
+        mask_n = tok < t_end
+        if BLOCK_D == HEAD_DIM:
+            mask = mask_n[:, None]  # broadcast over head_dim by tl.load
+        else:
+            mask = mask_n[:, None] & (offs_d < HEAD_DIM)[None, :]
+        k = tl.load(k_ptr + offs, mask=mask, other=0.0)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+    elif BLOCK_D == HEAD_DIM:
         k = tl.load(k_ptr + offs)
         v = tl.load(v_ptr + offs)
     else:
@@ -113,7 +110,8 @@ def _decode_tile(
     else:
         s = tl.dot(q, tl.trans(k))
     s = s * qk_scale  # [BLOCK_H, BLOCK_N] base-2 scores
-    s = tl.where((tok < t_end)[None, :], s, float("-inf"))
+    if MASKED:
+        s = tl.where(mask_n[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: subtract 0, not -inf
     alpha = tl.exp2(m_i - m_safe)
@@ -126,75 +124,27 @@ def _decode_tile(
     return acc, l_i, m_new
 
 
-
-@triton.jit
-def _tile_mask(row_mask, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """[rows, BLOCK_D] mask from a row mask; no head_dim compare when nothing is padded."""
-    if BLOCK_D == HEAD_DIM:
-        return row_mask[:, None]  # broadcast over head_dim by tl.load / tl.store
-    else:
-        return row_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
-
-
-@triton.jit
-def _split_points(kv_indptr_ptr, batch, num_programs, min_pages, prog, BLOCK_B: tl.constexpr):
-    """Where program ``prog``'s pages lie in the concatenation of the batch's pages, and
-    which requests hold them. Returns ``(ip0, total, per, x0, x1, d_x0m, d_x0, d_x1m, d_x1,
-    end_x1)``: ``per`` = W pages per program, the pages ``[x0, x1)``, ``d(x) = #{r :
-    kv_indptr[r + 1] - ip0 <= x}`` (the first request that holds page x) at x0 - 1, x0,
-    x1 - 1 and x1, and ``end_x1`` the absolute end of request d(x1) (the smallest
-    kv_indptr[r + 1] above x1). Each step compares a block of BLOCK_B entries at once; the
-    first block is loaded before anything needs the totals, so batches up to BLOCK_B cost
-    one round trip."""
-    offs_b = tl.arange(0, BLOCK_B)
-    big = 2147483647
-    ends = tl.load(kv_indptr_ptr + 1 + offs_b, mask=offs_b < batch, other=big)
-    ip0 = tl.load(kv_indptr_ptr)
-    total = tl.load(kv_indptr_ptr + batch) - ip0  # pages of the whole batch
-    per = tl.maximum(tl.cdiv(total, num_programs), min_pages)  # W >= 1
-    x0 = prog * per
-    x1 = tl.minimum(x0 + per, total)
-    a0 = ip0 + x0  # absolute positions, comparable with kv_indptr entries
-    a1 = ip0 + x1
-    d_x0m = tl.sum((ends <= a0 - 1).to(tl.int32), 0)
-    d_x0 = tl.sum((ends <= a0).to(tl.int32), 0)
-    d_x1m = tl.sum((ends <= a1 - 1).to(tl.int32), 0)
-    d_x1 = tl.sum((ends <= a1).to(tl.int32), 0)
-    end_x1 = tl.min(tl.where(ends > a1, ends, big), 0)
-    for b0 in range(BLOCK_B, batch, BLOCK_B):
-        offs = b0 + offs_b
-        ends = tl.load(kv_indptr_ptr + 1 + offs, mask=offs < batch, other=big)
-        d_x0m += tl.sum((ends <= a0 - 1).to(tl.int32), 0)
-        d_x0 += tl.sum((ends <= a0).to(tl.int32), 0)
-        d_x1m += tl.sum((ends <= a1 - 1).to(tl.int32), 0)
-        d_x1 += tl.sum((ends <= a1).to(tl.int32), 0)
-        end_x1 = tl.minimum(end_x1, tl.min(tl.where(ends > a1, ends, big), 0))
-    return ip0, total, per, x0, x1, d_x0m, d_x0, d_x1m, d_x1, end_x1
-
-
-@triton.jit(do_not_specialize=["batch", "num_kv_heads", "num_programs", "min_pages"])
+@triton.jit(do_not_specialize=["num_kv_heads", "num_splits"])
 def _decode_kernel(
     q_ptr,  # [batch, num_qo_heads, head_dim], strides (stride_qb, stride_qh, 1)
     k_ptr,  # K pool: page/token/head strides below, head_dim stride 1
     v_ptr,  # V pool: same strides as K
-    kv_indptr_ptr,  # [batch + 1] int32, non-decreasing
+    kv_indptr_ptr,  # [batch + 1] int32
     kv_indices_ptr,  # [>= kv_indptr[batch]] int32 page ids
     kv_last_page_len_ptr,  # [batch] int32
     o_ptr,  # [batch, num_qo_heads, head_dim] out, q's dtype, strides (stride_ob, stride_oh, 1)
     lse_ptr,  # [batch, num_qo_heads] float32 natural log, strides (stride_lb, stride_lh)
-    part_o_ptr,  # [num_programs + batch, num_qo_heads, head_dim] float32 partial states, slot p + r
-    part_lse_ptr,  # [num_programs + batch, num_qo_heads] float32 natural-log partial LSEs
+    part_o_ptr,  # [batch, num_splits, num_qo_heads, head_dim] float32 partial outputs (SPLIT)
+    part_lse_ptr,  # [batch, num_splits, num_qo_heads] float32 natural-log partial LSEs (SPLIT)
     qk_scale,  # sm_scale * log2(e)
-    batch,
     num_kv_heads,
-    num_programs,  # P: programs per kv head
-    min_pages,  # W is at least this (>= 1)
+    num_splits,
     stride_qb, stride_qh,
     stride_page, stride_token, stride_head,
     stride_ob, stride_oh,
     stride_lb, stride_lh,
-    stride_ps, stride_ph,
-    stride_pls, stride_plh,
+    stride_pb, stride_ps, stride_ph,
+    stride_plb, stride_pls, stride_plh,
     GROUP: tl.constexpr,  # num_qo_heads // num_kv_heads
     BLOCK_H: tl.constexpr,  # GROUP padded to a power of two >= 16
     HEAD_DIM: tl.constexpr,
@@ -203,168 +153,69 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,  # keys per tile
     NUM_STAGES: tl.constexpr,
     IEEE: tl.constexpr,
-    BLOCK_B: tl.constexpr,  # kv_indptr entries compared per step of the request search
-    PDL: tl.constexpr,  # stage 2 is a programmatic dependent launch (CUDA, sm_90+)
+    SPLIT: tl.constexpr,  # False: one split, write out and lse; True: write this split's partial state
 ):
-    if PDL:
-        # Let stage 2's programs start now: they plan from kv_indptr while this grid runs
-        # and wait (griddepcontrol.wait) for its completion before reading what it writes.
-        gdc_launch_dependents()
     pid = tl.program_id(0)
-    # kv head innermost: the programs of all kv heads for the same page range are launched
-    # together, so the heads of one NHD page are read at about the same time.
     kv_head = pid % num_kv_heads
-    prog = pid // num_kv_heads
-    ip0, total, per, x0, x1, d_x0m, d_x0, d_x1m, d_x1, end_x1 = _split_points(
-        kv_indptr_ptr, batch, num_programs, min_pages, prog, BLOCK_B)
-    # Requests [lo, hi): from the one holding page x0 (program 0: from request 0, so the
-    # empty requests before page 0 are written), to the last ending at or before x1 — plus
-    # the one holding page x1 when it also holds x1 - 1 (it runs on into the next program).
-    # Empty requests at a boundary x thus belong to the program whose range ends at x.
-    active = (x0 < total) | (prog == 0)  # programs past the last page have nothing to do
-    lo = tl.where(prog == 0, 0, d_x0)
-    hi = d_x1 + ((x1 < total) & (d_x1m == d_x1)).to(tl.int32)
-    hi = tl.where(active, hi, lo)
+    rest = pid // num_kv_heads
+    split = rest % num_splits
+    req = rest // num_splits
+
+    # This split's token range: pages [split * per, (split + 1) * per) of the request.
+    row_start = tl.load(kv_indptr_ptr + req)
+    num_pages = tl.load(kv_indptr_ptr + req + 1) - row_start
+    last_len = tl.load(kv_last_page_len_ptr + req)
+    seq_len = tl.where(num_pages > 0, (num_pages - 1) * PAGE_SIZE + last_len, 0)
+    per_split = tl.cdiv(num_pages, num_splits)
+    t_begin = split * per_split * PAGE_SIZE
+    t_end = tl.minimum((split + 1) * per_split * PAGE_SIZE, seq_len)  # never past the row's pages
+    t_full = t_begin + tl.maximum(t_end - t_begin, 0) // BLOCK_N * BLOCK_N
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     heads = kv_head * GROUP + offs_h  # [BLOCK_H] query heads of this kv head
-    heads64 = heads.to(tl.int64)
     mask_h = offs_h < GROUP
+    mask_q = mask_h[:, None] & (offs_d < HEAD_DIM)[None, :]
+    q_offs = req.to(tl.int64) * stride_qb + heads.to(tl.int64)[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptr + q_offs, mask=mask_q, other=0.0)  # input dtype: feeds tl.dot only
+
     head_off = kv_head.to(tl.int64) * stride_head
     k_head = k_ptr + head_off
     v_head = v_ptr + head_off
+    page_ptr = kv_indices_ptr + row_start
 
-    # The first request's row; each iteration then loads the next one's while its own K/V
-    # loop runs, so a request boundary waits for q and the page ids only.
-    r0 = tl.minimum(lo, batch - 1)
-    row_start = tl.load(kv_indptr_ptr + r0)
-    row_end = tl.load(kv_indptr_ptr + r0 + 1)
-    last_len = tl.load(kv_last_page_len_ptr + r0)
-    for req in range(lo, hi):
-        r_next = tl.minimum(req + 1, batch - 1)
-        next_end = tl.load(kv_indptr_ptr + r_next + 1)
-        next_last = tl.load(kv_last_page_len_ptr + r_next)
-        first = row_start - ip0  # the request's pages [first, end) in the concatenation
-        end = row_end - ip0
-        num_pages = row_end - row_start
-        seq_len = tl.where(num_pages > 0, (num_pages - 1) * PAGE_SIZE + last_len, 0)
-        # This segment's tokens; t_end never passes the row's last token.
-        t_begin = (tl.maximum(first, x0) - first) * PAGE_SIZE
-        t_end = tl.minimum((tl.minimum(end, x1) - first) * PAGE_SIZE, seq_len)
+    acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+    for t in tl.range(t_begin, t_full, BLOCK_N, num_stages=NUM_STAGES):
+        acc, l_i, m_i = _decode_tile(
+            acc, l_i, m_i, q, k_head, v_head, page_ptr, t, t_end, stride_page, stride_token,
+            qk_scale, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, False, IEEE,
+        )
+    if t_full < t_end:
+        acc, l_i, m_i = _decode_tile(
+            acc, l_i, m_i, q, k_head, v_head, page_ptr, t_full, t_end, stride_page, stride_token,
+            qk_scale, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, True, IEEE,
+        )
 
-        req64 = tl.cast(req, tl.int64)  # (the interpreter iterates plain ints)
-        q_rows = req64 * stride_qb + heads64 * stride_qh  # [BLOCK_H]
-        q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=_tile_mask(mask_h, offs_d, HEAD_DIM, BLOCK_D),
-                    other=0.0)  # input dtype: feeds tl.dot only
-        page_ptr = kv_indices_ptr + row_start
+    # Empty range (l == 0): o = 0, lse = -inf. Base change here: m and log2(l) are base 2,
+    # the stored LSE is natural log.
+    has_keys = l_i > 0
+    l_safe = tl.where(has_keys, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * _LN2, float("-inf"))
 
-        acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
-        l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
-        m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
-        # One loop, the segment's last (partial) tile included: a tail tile after the loop
-        # loads K/V into registers (sm_90a, bf16 D=128: 248 registers against 168) and
-        # waits for them at every segment's end; inside the pipeline its loads overlap
-        # the previous tiles.
-        for t in tl.range(t_begin, t_end, BLOCK_N, num_stages=NUM_STAGES):
-            acc, l_i, m_i = _decode_tile(
-                acc, l_i, m_i, q, k_head, v_head, page_ptr, t, t_end, stride_page, stride_token,
-                qk_scale, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, IEEE,
-            )
-
-        # No keys (l == 0): o = 0, lse = -inf. Base change here: m and log2(l) are base 2,
-        # the stored LSE is natural log.
-        has_keys = l_i > 0
-        l_safe = tl.where(has_keys, l_i, 1.0)
-        o = acc / l_safe[:, None]
-        lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * _LN2, float("-inf"))
-
-        # The request's only segment writes the result; a part of a longer one, its slot.
-        whole = (first >= x0) & (end <= x1)
-        o_rows = req64 * stride_ob + heads64 * stride_oh
-        tl.store(o_ptr + o_rows[:, None] + offs_d[None, :], o.to(o_ptr.dtype.element_ty),
-                 mask=_tile_mask(mask_h & whole, offs_d, HEAD_DIM, BLOCK_D))
-        tl.store(lse_ptr + req64 * stride_lb + heads64 * stride_lh, lse, mask=mask_h & whole)
-        slot = prog.to(tl.int64) + req64
-        p_rows = slot * stride_ps + heads64 * stride_ph
-        tl.store(part_o_ptr + p_rows[:, None] + offs_d[None, :], o,
-                 mask=_tile_mask(mask_h & ~whole, offs_d, HEAD_DIM, BLOCK_D))
-        tl.store(part_lse_ptr + slot * stride_pls + heads64 * stride_plh, lse, mask=mask_h & ~whole)
-        row_start = row_end
-        row_end = next_end
-        last_len = next_last
-
-
-@triton.jit(do_not_specialize=["batch", "num_programs", "min_pages", "num_qo_heads"])
-def _decode_merge_kernel(
-    kv_indptr_ptr,  # [batch + 1] int32, as given to _decode_kernel
-    part_o_ptr,  # [num_programs + batch, num_qo_heads, head_dim] float32, slot p + r
-    part_lse_ptr,  # [num_programs + batch, num_qo_heads] float32 natural log
-    o_ptr,  # [batch, num_qo_heads, head_dim] q's dtype
-    lse_ptr,  # [batch, num_qo_heads] float32 natural log
-    batch,
-    num_programs,
-    min_pages,
-    num_qo_heads,
-    stride_ps, stride_ph,
-    stride_pls, stride_plh,
-    stride_ob, stride_oh,
-    stride_lb, stride_lh,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_H: tl.constexpr,  # query heads per program
-    UNROLL: tl.constexpr,  # partial states per load (the longest chain when it fits)
-    BLOCK_B: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """Stage 2: program (p, head block) merges the request that starts in stage-1 program
-    p's pages and runs past them — the one holding pages x1 - 1 and x1 and not x0 - 1 —
-    over its slots p + r .. b + r (b: the program holding its last page), in one online
-    pass. The plan reads only kv_indptr, so with PDL it runs while stage 1 does."""
-    prog = tl.program_id(0)
-    ip0, total, per, x0, x1, d_x0m, d_x0, d_x1m, d_x1, end_x1 = _split_points(
-        kv_indptr_ptr, batch, num_programs, min_pages, prog, BLOCK_B)
-    req = d_x1
-    chained = (x1 < total) & (d_x1m == req) & ((prog == 0) | (d_x0m != req))
-    count = (end_x1 - ip0 - 1) // per - prog + 1  # partial states, >= 2 when chained
-    if PDL:
-        gdc_wait()  # stage 1 complete and its writes visible (every program waits: see the launcher)
-    if chained:
-        first_slot = (prog + req).to(tl.int64)
-        heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-        h_ok = heads < num_qo_heads
-        heads64 = heads.to(tl.int64)
-        offs_d = tl.arange(0, BLOCK_D)
-        tile_ok = _tile_mask(h_ok, offs_d, HEAD_DIM, BLOCK_D)  # [BLOCK_H, BLOCK_D]
-        u = tl.arange(0, UNROLL)
-        m = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)  # natural log
-        l = tl.zeros((BLOCK_H,), dtype=tl.float32)
-        acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
-        for j0 in range(0, count, UNROLL):
-            live = j0 + u < count
-            slot = first_slot + j0 + u.to(tl.int64)
-            # LSEs and values together: one round trip per UNROLL states
-            s = tl.load(part_lse_ptr + slot[:, None] * stride_pls + heads64[None, :] * stride_plh,
-                        mask=live[:, None] & h_ok[None, :], other=float("-inf"))  # [UNROLL, BLOCK_H]
-            v = tl.load(part_o_ptr + slot[:, None, None] * stride_ps + heads64[None, :, None] * stride_ph
-                        + offs_d[None, None, :], mask=live[:, None, None] & tile_ok[None, :, :], other=0.0)
-            m_new = tl.maximum(m, tl.max(s, 0))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all empty so far: never -inf - -inf
-            # Base change: natural-log differences times log2(e), then exp2.
-            alpha = tl.exp2((m - m_safe) * _LOG2E)
-            w = tl.exp2((s - m_safe[None, :]) * _LOG2E)
-            l = l * alpha + tl.sum(w, 0)
-            # a zero weight contributes exactly zero, whatever its slot holds
-            acc = acc * alpha[:, None] + tl.sum(tl.where(w[:, :, None] == 0, 0.0, w[:, :, None] * v), 0)
-            m = m_new
-        has = l > 0
-        l_safe = tl.where(has, l, 1.0)
-        o = acc / l_safe[:, None]
-        lse = tl.where(has, m + tl.log2(l_safe) * _LN2, float("-inf"))  # back to natural log
-        req64 = req.to(tl.int64)
-        tl.store(o_ptr + (req64 * stride_ob + heads64 * stride_oh)[:, None] + offs_d[None, :],
-                 o.to(o_ptr.dtype.element_ty), mask=tile_ok)
-        tl.store(lse_ptr + req64 * stride_lb + heads64 * stride_lh, lse, mask=h_ok)
+    heads64 = heads.to(tl.int64)
+    if SPLIT:
+        p_offs = (req.to(tl.int64) * stride_pb + split.to(tl.int64) * stride_ps + heads64[:, None] * stride_ph
+                  + offs_d[None, :])
+        tl.store(part_o_ptr + p_offs, o, mask=mask_q)
+        p_lse_offs = req.to(tl.int64) * stride_plb + split.to(tl.int64) * stride_pls + heads64 * stride_plh
+        tl.store(part_lse_ptr + p_lse_offs, lse, mask=mask_h)
+    else:
+        o_offs = req.to(tl.int64) * stride_ob + heads64[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptr + o_offs, o.to(o_ptr.dtype.element_ty), mask=mask_q)
+        tl.store(lse_ptr + req.to(tl.int64) * stride_lb + heads64 * stride_lh, lse, mask=mask_h)
 
 
 # --------------------------------------------------------------------------- launcher
@@ -374,37 +225,30 @@ def _decode_merge_kernel(
 class DecodeConfig:
     """Launch parameters of the stage-1 kernel (internal; the benchmarks compare several).
 
-    ``programs_per_sm``: how many of this config's programs the default plan puts on each
-    SM (at most what the build lets reside there): it launches one wave of them
-    (:func:`decode_num_splits`). ``min_tokens``: the default plan gives each program at
-    least this many tokens' pages (a batch with few pages runs on fewer programs, the
-    others exit at once; not applied when the caller sets ``num_splits``). ``pdl``: launch
-    stage 2 as a programmatic dependent launch where the device has it (CUDA, sm_90+):
-    its programs find their request while stage 1 runs, and only the merge waits for it.
+    ``programs_per_sm`` sets the split plan when the caller leaves ``num_splits`` to it
+    (:func:`decode_num_splits`): about that many programs per SM, the number of this
+    config's programs that are resident on one SM at once (one wave, no tail).
     """
 
     block_n: int
     num_warps: int
     num_stages: int
     programs_per_sm: int = 2
-    min_tokens: int = 256
-    pdl: bool = True
 
     def __post_init__(self) -> None:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
             raise ValueError(f"block_n: expected a power of two >= 16, got {self.block_n}")
-        if (self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1 or self.programs_per_sm < 1
-                or self.min_tokens < 1):
+        if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1 or self.programs_per_sm < 1:
             raise ValueError(f"invalid DecodeConfig {self}")
 
 
 # Variants the benchmarks compare; ``pick_decode_config`` chooses among them. The loop's
 # K/V loads hang off an in-loop page-table load, and Triton 3.6's pipeliner then keeps
 # floor((num_stages - 1) / 2) K/V tiles in flight (seen in the sm_90 TTGIR). sm_90a builds
-# (bf16, D=128, group 4; ptxas -v; `python -m benchmarks.tune_decode --sass`):
-# n128_w4_s5 168 registers, 137 KiB shared memory -> 1 program per SM, two 64 KiB K+V
-# tiles in flight; n128_w4_s3 168 registers, 73 KiB -> up to 3 per SM, one 64 KiB tile
-# each (planned at 2); n64_w4_s5 162 registers, 70 KiB -> 3 per SM, two 32 KiB tiles each.
+# (bf16, D=128, group 4; ptxas -v): n128_w4_s5 235 registers, 137 KiB shared memory ->
+# 1 program per SM, two 64 KiB K+V tiles in flight; n128_w4_s3 235 registers, 73 KiB ->
+# 2 programs per SM (registers), one 64 KiB tile each; n64_w4_s5 144 registers, 70 KiB ->
+# 3 programs per SM, two 32 KiB tiles each. ``programs_per_sm`` is that residency.
 DECODE_VARIANTS: dict[str, DecodeConfig] = {
     "n128_w4_s5": DecodeConfig(block_n=128, num_warps=4, num_stages=5, programs_per_sm=1),
     "n128_w4_s3": DecodeConfig(block_n=128, num_warps=4, num_stages=3, programs_per_sm=2),
@@ -412,22 +256,7 @@ DECODE_VARIANTS: dict[str, DecodeConfig] = {
 }
 
 DEFAULT_NUM_SMS = 132  # H100/H200 SXM; used for the split plan of CPU tensors
-MAX_SPLITS = 4096  # programs per kv head (the grid is P x num_kv_heads)
-_BLOCK_B = 512  # kv_indptr entries per step of the in-kernel request search
-_MERGE_BLOCK_H = 2  # stage 2: query heads per program (more programs for a long chain's merge)
-# stage 2: partial states per load, up to P: one round trip for any chain when P <= 16
-_MERGE_MAX_UNROLL = 16
-
-
-def _has_pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch (griddepcontrol) needs CUDA on sm_90 or newer."""
-    return device.type == "cuda" and _capability(device.index if device.index is not None
-                                                 else torch.cuda.current_device()) >= (9, 0)
-
-
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+MAX_SPLITS = 256
 
 
 def _num_sms(device: torch.device) -> int:
@@ -435,69 +264,59 @@ def _num_sms(device: torch.device) -> int:
 
 
 def pick_decode_config(head_dim: int, dtype: torch.dtype, page_size: int, *, work: int | None = None,
-                       num_sms: int = DEFAULT_NUM_SMS, num_kv_heads: int | None = None) -> DecodeConfig:
+                       num_sms: int = DEFAULT_NUM_SMS) -> DecodeConfig:
     """The stage-1 launch parameters :func:`batch_decode_paged` uses for these shapes.
 
-    ``work`` (``batch * num_kv_heads``) is accepted for callers and not used: the balanced
-    grid gives every program the same share of pages whatever the batch. ``page_size`` is
-    part of the key so that it can matter (pages of 16 and 64 compile to the same shared
-    memory). ``num_kv_heads`` (None: 8) decides how well a wave divides into kv heads.
+    ``work``: ``batch * num_kv_heads``, the programs before any split (None: many). The
+    split count then follows from the config's ``programs_per_sm``
+    (:func:`decode_num_splits`). ``page_size`` does not change the choice today (pages of
+    16 and 64 compile to the same shared-memory footprint); it is part of the key so that
+    it can.
 
-    fp16/bf16, head_dim 65..128: n128_w4_s5, one program per SM with two 64 KiB K+V tiles
-    in flight (~128 KiB per SM saturates HBM; benchmarks/NOTES.md): 16 programs per kv head
-    at 132 SMs and 8 kv heads. Fewer, longer programs cross fewer request boundaries, where
-    a program's K/V pipeline drains and refills. H100, bf16 Hq 32 Hkv 8 D 128, 16 shapes
-    (benchmarks/tune_decode.py): the best of six one-wave plans, or within 0.5% of it, at
-    14; 2-3 programs per SM won the two batches of a long request among many short ones
-    by 1-2.5% (many boundaries per program). When ``floor(num_sms / num_kv_heads)``
-    programs per kv head leave more than a tenth of the SMs idle (e.g. 48 kv heads: 96 of
-    132), n128_w4_s3 at 2 or 3 per SM, whichever fills the wave better (not timed).
+    For fp16/bf16 and head_dim <= 128 the rule aims at one wave of programs (no tail)
+    with about 128 KiB of K/V loads in flight per SM, and as few splits as possible (each
+    adds a merge). Measured on an H200 (benchmarks/NOTES.md): ``work <= SMs``: one
+    n128_w4_s5 program per SM (the splits fill the SMs), unless a 2-per-SM n128_w4_s3 plan
+    keeps >= 1.25x the loads in flight (e.g. work 72: 3 splits instead of 1);
+    ``SMs < work <= 3 SMs``: n64_w4_s5, 3 per SM, 2 splits up to 1.5 SMs, then none;
+    more: n128_w4_s3, no split (many waves of 2 per SM).
     """
-    del work, page_size  # see the docstring
     block_d = max(16, next_power_of_2(head_dim))
     if dtype == torch.float32:
-        # fp32 "ieee" products run on FMA units: 8 warps and 16-key tiles (64 registers,
-        # 41 KiB at head_dim 128 in the sm_90a build).
+        # fp32 "ieee" products run on FMA units and need many registers: 8 warps and 16-key
+        # tiles keep head_dim 128 free of spills (175 registers).
         return DecodeConfig(block_n=16, num_warps=8, num_stages=5)
     if block_d >= 256:
-        # twice the bytes per key: half the keys per tile, 8 warps (128 registers, 73 KiB:
-        # 2 per SM).
+        # twice the bytes per key: half the keys per tile, 8 warps (166 registers, 73 KiB).
         return DecodeConfig(block_n=32, num_warps=8, num_stages=5)
-    if block_d <= 64:
-        # half the bytes per key: two programs per SM keep ~128 KiB of K/V in flight
-        # (71 KiB of shared memory each; not timed).
-        return DecodeConfig(block_n=128, num_warps=4, num_stages=5, programs_per_sm=2)
-    one = DECODE_VARIANTS["n128_w4_s5"]
-    heads = 8 if num_kv_heads is None else max(1, num_kv_heads)
-    if heads > num_sms or (num_sms // heads) * heads >= 0.9 * num_sms:
-        return one
-
-    def filled(per_sm: int) -> float:  # busy fraction of a wave of per_sm programs per SM
-        return (per_sm * num_sms // heads) * heads / (per_sm * num_sms)
-
-    per_sm = max((2, 3), key=filled)
-    return DecodeConfig(block_n=128, num_warps=4, num_stages=3, programs_per_sm=per_sm)
+    one, two, three = DECODE_VARIANTS["n128_w4_s5"], DECODE_VARIANTS["n128_w4_s3"], DECODE_VARIANTS["n64_w4_s5"]
+    if work is None or work > 3 * num_sms:
+        return two
+    if work > num_sms:
+        return three
+    # in flight: one -> 128 KiB x work x splits(1 per SM); two -> 64 KiB x work x splits(2 per SM)
+    splits_one, splits_two = num_sms // max(1, work), 2 * num_sms // max(1, work)
+    return two if 2 * splits_two >= 5 * splits_one else one
 
 
 def decode_num_splits(batch: int, num_kv_heads: int, device: torch.device | str, *,
                       programs_per_sm: int | None = None) -> int:
-    """Programs per kv head (``P``) that :func:`batch_decode_paged` launches by default.
+    """How many KV splits per (request, kv head) :func:`batch_decode_paged` uses by default.
 
-    One wave: ``floor(num_sms * programs_per_sm / num_kv_heads)``, clamped to
-    ``[1, MAX_SPLITS]``, from shapes only (CUDA-graph safe). Each program takes an equal
-    share of the batch's pages, so ``batch`` does not change it (it is checked and kept
-    for callers). ``programs_per_sm=None`` takes it from :func:`pick_decode_config`'s
-    choice for fp16/bf16 with head_dim 128. The multiprocessor count is read once per
-    device (132 for CPU tensors).
+    A plan from shapes only (no look at sequence lengths, so it is CUDA-graph safe): about
+    ``programs_per_sm`` programs on every multiprocessor, i.e.
+    ``floor(num_sms * programs_per_sm / (batch * num_kv_heads))`` clamped to ``[1, 256]``.
+    ``programs_per_sm=None`` takes it from the config :func:`pick_decode_config` picks for
+    fp16/bf16 with head_dim <= 128 (the plan those inputs get; fp32 and larger head dims
+    use 2). The multiprocessor count is read once per device (132 for CPU tensors).
     """
     if batch < 0 or num_kv_heads < 1:
         raise ValueError(f"batch, num_kv_heads: expected >= 0 and >= 1, got {batch}, {num_kv_heads}")
     dev = torch.device(device)
-    num_sms = _num_sms(dev)
+    work = max(1, batch * num_kv_heads)
     if programs_per_sm is None:
-        programs_per_sm = pick_decode_config(128, torch.bfloat16, 16, num_sms=num_sms,
-                                             num_kv_heads=num_kv_heads).programs_per_sm
-    return max(1, min(MAX_SPLITS, num_sms * programs_per_sm // num_kv_heads))
+        programs_per_sm = pick_decode_config(128, torch.bfloat16, 16, work=work, num_sms=_num_sms(dev)).programs_per_sm
+    return max(1, min(MAX_SPLITS, _num_sms(dev) * programs_per_sm // work))
 
 
 def _check_page_table(
@@ -552,16 +371,14 @@ def batch_decode_paged(
             :mod:`cascadeinfer.layouts.paged_cache`), same dtype and device as ``q``.
         kv_indptr: int32 ``[batch + 1]``; request ``i`` owns pages
             ``kv_indices[kv_indptr[i]:kv_indptr[i + 1]]`` (a request with none sees no key).
-        kv_indices: int32 page ids (at least ``kv_indptr[batch]`` entries; later ones are ignored).
+        kv_indices: int32 page ids (at least ``kv_indptr[batch]`` entries).
         kv_last_page_len: int32 ``[batch]``, tokens in each request's last page, in ``[1, page_size]``.
         kv_layout: ``"NHD"`` or ``"HND"``.
         sm_scale: softmax scale, default ``head_dim ** -0.5``.
-        num_splits: programs per kv head, ``P``. The batch's pages, laid end to end, are
-            cut into ``P`` equal pieces of ``cdiv(kv_indptr[batch] - kv_indptr[0], P)``
-            pages (computed on the device), one per program, whatever the requests'
-            lengths; a request cut by a boundary is merged by a second kernel. Default: one
-            wave of programs (:func:`decode_num_splits`, :func:`pick_decode_config`; from
-            shapes only) with at least ``min_tokens`` tokens each.
+        num_splits: KV splits per (request, kv head); default: a plan from the shapes
+            (:func:`pick_decode_config`, :func:`decode_num_splits`; never from sequence
+            lengths). Each split reads ``cdiv(num_pages, num_splits)`` consecutive pages
+            of its request; the partial states are merged by ``merge_states``' kernel.
         out: optional ``[batch, num_qo_heads, head_dim]`` output buffer (dtype of ``q``,
             last dimension contiguous).
         lse: optional float32 ``[batch, num_qo_heads]`` buffer for the LSE.
@@ -574,8 +391,7 @@ def batch_decode_paged(
         scaled scores. A request with no keys gets ``o = 0``, ``lse = -inf``.
 
     The launch reads nothing from the device (grid from shapes only), so the call can be
-    captured in a CUDA graph and replayed after the page table is changed in place — any
-    lengths, any total number of pages, as long as ``kv_indices`` is long enough.
+    captured in a CUDA graph and replayed after the page table is changed in place.
     """
     return _batch_decode_paged(
         q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, kv_layout=kv_layout,
@@ -605,8 +421,8 @@ def _batch_decode_paged(
     check_int32_vector("kv_indices", kv_indices, device)
     check_int32_vector("kv_last_page_len", kv_last_page_len, device, batch)
     if num_splits is not None:
-        if not isinstance(num_splits, int) or isinstance(num_splits, bool) or not 1 <= num_splits <= MAX_SPLITS:
-            raise ValueError(f"num_splits: expected an int in [1, {MAX_SPLITS}] or None, got {num_splits!r}")
+        if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
+            raise ValueError(f"num_splits: expected a positive int or None, got {num_splits!r}")
     scale = default_sm_scale(head_dim, sm_scale)
     if out is None:
         out = torch.empty((batch, num_qo_heads, head_dim), dtype=q.dtype, device=device)
@@ -629,55 +445,46 @@ def _batch_decode_paged(
         return out, lse
 
     cfg = config if config is not None else pick_decode_config(
-        head_dim, q.dtype, kv.page_size, num_sms=_num_sms(device), num_kv_heads=kv.num_kv_heads)
+        head_dim, q.dtype, kv.page_size, work=batch * kv.num_kv_heads, num_sms=_num_sms(device))
     if num_splits is None:
-        programs = decode_num_splits(batch, kv.num_kv_heads, device, programs_per_sm=cfg.programs_per_sm)
-        min_pages = triton.cdiv(cfg.min_tokens, kv.page_size)
-    else:
-        programs, min_pages = num_splits, 1
-    pdl = cfg.pdl and programs > 1 and _has_pdl(device)
+        num_splits = decode_num_splits(batch, kv.num_kv_heads, device, programs_per_sm=cfg.programs_per_sm)
     group = num_qo_heads // kv.num_kv_heads
-    block_d = max(16, next_power_of_2(head_dim))
-    # Scratch for the partial states, slot p + r (see the module docstring); only the
-    # segments that do not cover their whole request write one.
-    part_o = torch.empty((programs + batch, num_qo_heads, head_dim), dtype=torch.float32, device=device)
-    part_lse = torch.empty((programs + batch, num_qo_heads), dtype=torch.float32, device=device)
-    _decode_kernel[(programs * kv.num_kv_heads,)](
-        q, kv.k, kv.v, kv_indptr, kv_indices, kv_last_page_len, out, lse, part_o, part_lse,
-        scale * LOG2E, batch, kv.num_kv_heads, programs, min_pages,
-        q.stride(0), q.stride(1),
-        kv.stride_page, kv.stride_token, kv.stride_head,
-        out.stride(0), out.stride(1),
-        lse.stride(0), lse.stride(1),
-        part_o.stride(0), part_o.stride(1),
-        part_lse.stride(0), part_lse.stride(1),
+    split = num_splits > 1
+    meta = dict(
         GROUP=group,
         BLOCK_H=max(16, next_power_of_2(group)),
         HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
+        BLOCK_D=max(16, next_power_of_2(head_dim)),
         PAGE_SIZE=kv.page_size,
         BLOCK_N=cfg.block_n,
         NUM_STAGES=cfg.num_stages,
         IEEE=q.dtype == torch.float32,
-        BLOCK_B=_BLOCK_B,
-        PDL=pdl,
+        SPLIT=split,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    if programs > 1:  # one program per kv head never cuts a request
-        # With PDL every stage-2 program waits for stage 1 before it exits, even one with
-        # nothing to merge, so stage 2's completion implies stage 1's for later work.
-        extra = dict(launch_pdl=True) if pdl else {}
-        _decode_merge_kernel[(programs, triton.cdiv(num_qo_heads, _MERGE_BLOCK_H))](
-            kv_indptr, part_o, part_lse, out, lse, batch, programs, min_pages, num_qo_heads,
-            part_o.stride(0), part_o.stride(1),
-            part_lse.stride(0), part_lse.stride(1),
-            out.stride(0), out.stride(1),
-            lse.stride(0), lse.stride(1),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=_MERGE_BLOCK_H,
-            UNROLL=min(next_power_of_2(programs), _MERGE_MAX_UNROLL), BLOCK_B=_BLOCK_B, PDL=pdl,
-            num_warps=4, **extra,
-        )
+    grid = (batch * kv.num_kv_heads * num_splits,)
+    if split:
+        # fp32 partial states; stage 2 merges them straight into out (cast at the store)
+        part_o = torch.empty((batch, num_splits, num_qo_heads, head_dim), dtype=torch.float32, device=device)
+        part_lse = torch.empty((batch, num_splits, num_qo_heads), dtype=torch.float32, device=device)
+        part_strides = (*part_o.stride()[:3], *part_lse.stride())
+    else:
+        part_o, part_lse = out, lse  # not touched
+        part_strides = (0, 0, 0, 0, 0, 0)
+    _decode_kernel[grid](
+        q, kv.k, kv.v, kv_indptr, kv_indices, kv_last_page_len, out, lse, part_o, part_lse,
+        scale * LOG2E, kv.num_kv_heads, num_splits,
+        q.stride(0), q.stride(1),
+        kv.stride_page, kv.stride_token, kv.stride_head,
+        out.stride(0), out.stride(1),
+        lse.stride(0), lse.stride(1),
+        *part_strides,
+        **meta,
+    )
+    if split:
+        # Stage 2 (inputs checked here already: the internal launcher, no second check).
+        merge_mod._launch_dense(part_o, part_lse, out, lse)
     return out, lse
 
 
