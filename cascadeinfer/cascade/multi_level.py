@@ -20,7 +20,7 @@ import torch
 
 from cascadeinfer._checks import FLOAT_DTYPES, check_tensor, default_sm_scale, normalize_device
 from cascadeinfer.cascade.plan import HostLevel, choose_cascade, flat_page_table, host_levels
-from cascadeinfer.kernels.prefill import default_tile_config, paged_num_splits
+from cascadeinfer.kernels.prefill import groups_tile_config, paged_num_splits
 from cascadeinfer.ops import split_cache
 from cascadeinfer.layouts.paged_cache import check_kv_layout, unpack_paged_kv_cache
 
@@ -166,8 +166,8 @@ class MultiLevelCascadeAttention:
             if prefix_share is not None and self.device.type == "cuda":
                 pre = levels[-2]
                 nnz_pre = int(pre.qo_indptr[-1])
-                rows = -(-nnz_pre * (num_qo_heads // num_kv_heads) // max(1, pre.num_groups))
-                self._overlap = default_tile_config(head_dim, dtype, rows).block_m >= 128
+                config = groups_tile_config(nnz_pre, pre.num_groups, num_qo_heads // num_kv_heads, head_dim, dtype)
+                self._overlap = config.block_m >= 128
                 if self._overlap:
                     self._levels[-2].num_splits = paged_num_splits(
                         nnz_pre, pre.num_groups, num_qo_heads, num_kv_heads, head_dim, dtype,

@@ -528,12 +528,18 @@ def default_num_splits(num_tiles: int, num_kv_heads: int, max_kv_len: int, devic
     return max(1, min(splits, max_kv_len // _MIN_KEYS_PER_SPLIT))
 
 
+def groups_tile_config(nnz_qo: int, num_groups: int, group_size: int, head_dim: int,
+                       dtype: torch.dtype) -> TileConfig:
+    """The tiles the launchers pick for ``nnz_qo`` queries in ``num_groups`` groups: those of
+    the average packed rows per group (``nnz_qo * group_size / num_groups``, from shapes)."""
+    return default_tile_config(head_dim, dtype, -(-nnz_qo * group_size // max(1, num_groups)))
+
+
 def paged_num_splits(nnz_qo: int, num_groups: int, num_qo_heads: int, num_kv_heads: int, head_dim: int,
                      dtype: torch.dtype, max_kv_len: int, device: torch.device, sm_share: float = 1.0) -> int:
     """The split count :func:`batch_prefill_paged` takes by default for these shapes, or for
     a grid sized to ``sm_share`` of the SMs (pass the result as ``num_splits``)."""
-    rows = -(-nnz_qo * (num_qo_heads // num_kv_heads) // max(1, num_groups))
-    config = default_tile_config(head_dim, dtype, rows)
+    config = groups_tile_config(nnz_qo, num_groups, num_qo_heads // num_kv_heads, head_dim, dtype)
     tiles = num_m_tiles(nnz_qo, num_groups, num_qo_heads // num_kv_heads, config.block_m)
     return default_num_splits(tiles, num_kv_heads, max_kv_len, device, sm_share)
 
@@ -643,9 +649,8 @@ def _run(
     """Pick tiles and splits from shapes, launch, merge the splits into ``out``/``lse``."""
     nnz_qo, num_qo_heads, head_dim = q.shape
     if config is None:
-        num_groups = 1 if qo_indptr is None else max(1, qo_indptr.shape[0] - 1)
-        rows = -(-nnz_qo * (num_qo_heads // kv.num_kv_heads) // num_groups)  # average, from shapes
-        config = default_tile_config(head_dim, q.dtype, rows)
+        num_groups = 1 if qo_indptr is None else qo_indptr.shape[0] - 1
+        config = groups_tile_config(nnz_qo, num_groups, num_qo_heads // kv.num_kv_heads, head_dim, q.dtype)
     if num_splits is None:
         num_splits = default_num_splits(_grid_tiles(q, qo_indptr, kv, config)[1], kv.num_kv_heads, kv.max_kv_len,
                                         q.device)
