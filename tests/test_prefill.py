@@ -195,6 +195,106 @@ def test_paged_full_tiles_any_page_size(device, page_size, causal):
               dtype=torch.float16, page_size=page_size, causal=causal, num_splits=2, config=SMALL, seed=9)
 
 
+ADDRESS_PATHS = [P.AddressPath(o32, aligned) for o32 in (False, True) for aligned in (False, True)]
+
+
+@pytest.mark.parametrize("page_size,layout,causal", [(4, "NHD", False), (16, "HND", True), (5, "NHD", False)])
+def test_paged_address_paths_agree(device, page_size, layout, causal):
+    """int64 vs int32 row offsets, with and without the hoisted page math (page sizes that
+    divide the 16-key tile, and one that does not): the same loads, so bit-identical outputs,
+    and the reference. Several unmasked tiles per program, two splits, two groups."""
+    gen = torch.Generator().manual_seed(11)
+    hkv, group, d, dtype = 2, 2, 64, torch.bfloat16
+    cache, table = make_paged(device, kv_lens=[70, 53], page_size=page_size, num_kv_heads=hkv, head_dim=d,
+                              dtype=dtype, layout=layout, gen=gen)
+    qo_indptr = indptr_from_lengths([3, 2], device=device)
+    q = _randn((5, hkv * group, d), dtype, device, gen)
+    args = (q, qo_indptr, cache, table.kv_indptr, table.kv_indices, table.kv_last_page_len)
+    source = P._paged_source(unpack_paged_kv_cache(cache, layout), *args[3:])
+    safe = P.default_address_path(source, SMALL)
+    assert safe == P.AddressPath(offsets_32=True, aligned_pages=16 % page_size == 0)
+    ref = P.batch_prefill_paged_ref(*args, causal=causal, kv_layout=layout)
+    results = []
+    for address in ADDRESS_PATHS:
+        if address.aligned_pages and not safe.aligned_pages:
+            continue
+        out, lse = poisoned(q)
+        P._run(q, qo_indptr, source, out, lse, causal=causal, sm_scale=d ** -0.5, num_splits=2, config=SMALL,
+               address=address)
+        check_state(out, lse, *ref, dtype)
+        results.append((address, out, lse))
+    for address, out, lse in results[1:]:
+        assert torch.equal(out, results[0][1]) and torch.equal(lse, results[0][2]), f"{address} differs from int64"
+
+
+def test_ragged_address_paths_agree(device):
+    """The contiguous path's int32 offsets (counted from each group's first key) against int64."""
+    gen = torch.Generator().manual_seed(12)
+    fused = _randn((90, 3, 3, 64), torch.float16, device, gen)
+    k, v = fused[:, 0, 1:], fused[:, 2, :2]  # different strides for k and v
+    q = _randn((5, 4, 64), torch.float16, device, gen)
+    qo_indptr = indptr_from_lengths([3, 2], device=device)
+    kv_indptr = indptr_from_lengths([37, 53], device=device)
+    source = P._ragged_source(q, k, v, kv_indptr)
+    assert P.default_address_path(source, SMALL) == P.AddressPath(offsets_32=True, aligned_pages=False)
+    ref = P.batch_prefill_ragged_ref(q, qo_indptr, k, v, kv_indptr)
+    outs = []
+    for address in (P.AddressPath(False, False), P.AddressPath(True, False)):
+        out, lse = poisoned(q)
+        P._run(q, qo_indptr, source, out, lse, causal=False, sm_scale=0.125, num_splits=2, config=SMALL,
+               address=address)
+        check_state(out, lse, *ref, torch.float16)
+        outs.append((out, lse))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+def _meta_paged_source(num_pages, page_size=16, hkv=8, d=128, layout="NHD"):
+    """A paged source over a pool on the meta device: real shapes and strides, no memory."""
+    inner = (page_size, hkv) if layout == "NHD" else (hkv, page_size)
+    cache = torch.empty((num_pages, 2, *inner, d), dtype=torch.bfloat16, device="meta")
+    idx = torch.empty(1, dtype=i32, device="meta")
+    return P._paged_source(unpack_paged_kv_cache(cache, layout), idx, idx, idx), cache
+
+
+def test_default_address_path_int32_bound():
+    """int32 offsets exactly while the largest element offset of the K and V views is below
+    2**31; a pool past it (the GPU test's 100K prefix at page 70000) keeps int64."""
+    big = P.TileConfig(128, 128, 8, 3)
+    # NHD pool [P, 2, 16, 8, 128]: the K and V views' largest offset (each from its own
+    # first element) is (P - 1) * 32768 + 16383.
+    per_page = 2 * 16 * 8 * 128
+    fits = (2**31 - 1 - 16383) // per_page + 1  # the most pages with every offset < 2**31
+    for num_pages, expect in ((fits, True), (fits + 1, False), (76_251, False)):
+        assert ((num_pages - 1) * per_page + 16383 < 2**31) == expect
+        source, _ = _meta_paged_source(num_pages)
+        assert P.default_address_path(source, big) == P.AddressPath(offsets_32=expect, aligned_pages=True)
+    source, _ = _meta_paged_source(1000, page_size=256, layout="HND")  # 128-key tiles inside a page
+    assert P.default_address_path(source, big) == P.AddressPath(offsets_32=True, aligned_pages=False)
+    # Ragged [nnz_kv, 1, 128] contiguous: largest offset (nnz_kv - 1) * 128 + 127.
+    q = torch.empty((1, 4, 128), dtype=torch.bfloat16, device="meta")
+    for nnz_kv, expect in ((2**24, True), (2**24 + 1, False)):
+        k = torch.empty((nnz_kv, 1, 128), dtype=torch.bfloat16, device="meta")
+        v = torch.empty((1, 1, 128), dtype=torch.bfloat16, device="meta").expand(nnz_kv, 1, 128)  # stride 0
+        assert P.default_address_path(P._ragged_source(q, k, v, None), big).offsets_32 == expect
+        assert P.default_address_path(P._ragged_source(q, v, k, None), big).offsets_32 == expect  # V alone
+
+
+def test_forced_int32_past_2_31_is_refused():
+    """A forced int32 path is checked against the same bound before any launch."""
+    source, _ = _meta_paged_source(76_251)
+    q = torch.empty((4, 32, 128), dtype=torch.bfloat16, device="meta")
+    out = torch.empty((4, 1, 32, 128), dtype=torch.bfloat16, device="meta")
+    lse = torch.empty((4, 1, 32), dtype=torch.float32, device="meta")
+    qo = torch.empty(2, dtype=i32, device="meta")
+    with pytest.raises(ValueError, match="address"):
+        P._launch(q, qo, source, out, lse, causal=False, sm_scale=0.1, config=P.TileConfig(128, 128, 8, 3),
+                  address=P.AddressPath(offsets_32=True, aligned_pages=True))
+    small_pages, _ = _meta_paged_source(8, page_size=5)
+    with pytest.raises(ValueError, match="address"):
+        P._launch(q, qo, small_pages, out, lse, causal=False, sm_scale=0.1, config=SMALL,
+                  address=P.AddressPath(offsets_32=False, aligned_pages=True))
+
+
 def test_running_max_grows_every_tile(device):
     """Keys whose scores grow along the sequence: the running max moves at every key tile
     (every rescale of acc and l is exercised), across splits, with large logits."""
@@ -524,6 +624,9 @@ def test_gpu_shared_prefix_realistic(length, n, high_pages):
     q, qo_indptr, cache, t = _prefix_case(length, n, high_pages=high_pages)
     if high_pages:
         assert t.kv_indices.min().item() * cache.stride(0) > 2**31
+    source = P._paged_source(unpack_paged_kv_cache(cache, "NHD"), t.kv_indptr, t.kv_indices, t.kv_last_page_len)
+    config = P.groups_tile_config(n, 1, 4, 128, torch.bfloat16)
+    assert P.default_address_path(source, config).offsets_32 == (not high_pages), "int64 offsets past 2^31"
     out, lse = poisoned(q)
     batch_prefill_paged(q, qo_indptr, cache, t.kv_indptr, t.kv_indices, t.kv_last_page_len, out=out, lse=lse)
     kv = unpack_paged_kv_cache(cache, "NHD")
@@ -532,6 +635,25 @@ def test_gpu_shared_prefix_realistic(length, n, high_pages):
     check_state(out, lse, *ref, torch.bfloat16)
     # The contiguous-prefix entry point on the same keys.
     check_state(*shared_prefix_attention(q, k, v), *ref, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_address_paths_agree():
+    """128 queries over a 8229-token prefix (a partial last tile), the default 128x128 tiles
+    and splits: int64 and int32 row offsets, with and without the hoisted page math, give
+    bit-identical outputs, within tolerance of the float64 reference."""
+    q, qo_indptr, cache, t = _prefix_case(8229, 128, seed=2)
+    source = P._paged_source(unpack_paged_kv_cache(cache, "NHD"), t.kv_indptr, t.kv_indices, t.kv_last_page_len)
+    kv = unpack_paged_kv_cache(cache, "NHD")
+    ref = attention_state_ref(q, *gather_paged_kv(kv, t.kv_indptr, t.kv_indices, t.kv_last_page_len, 0))
+    first = None
+    for address in ADDRESS_PATHS:
+        out, lse = poisoned(q)
+        P._run(q, qo_indptr, source, out, lse, causal=False, sm_scale=128 ** -0.5, address=address)
+        check_state(out, lse, *ref, torch.bfloat16)
+        if first is None:
+            first = (out, lse)
+        assert torch.equal(out, first[0]) and torch.equal(lse, first[1]), f"{address} differs from int64"
 
 
 @pytest.mark.gpu

@@ -39,6 +39,10 @@ How the kernel is laid out (the ideas of FlashAttention-2 and Triton's
   for at once: the former kernel's 0.31-0.35 of the bf16 matmul rate on an H200, against
   0.49-0.65 now (benchmarks/NOTES.md). ``PAGE_SIZE`` is a compile-time constant (a mask
   for powers of two, a multiply-shift otherwise).
+* **Cheap row addresses.** Where every element offset of the K/V pool is below 2**31
+  (checked on the host from shapes and strides), the unmasked loop forms row offsets in
+  int32; and when ``BLOCK_N`` is a multiple of ``PAGE_SIZE`` each row's slot offset and
+  page position are hoisted out of it (:class:`AddressPath`). Larger pools keep int64.
 * **Tiles from shapes.** 128x128 tiles, 8 warps, 3 stages for long groups; groups of
   few packed rows (cascade middle levels) get 16-64-row tiles (:func:`default_tile_config`).
 
@@ -141,10 +145,16 @@ def _paged_rows(
     stride_kt,
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    OFFSETS_32: tl.constexpr,
 ):
-    """[BLOCK_N] int64 offsets of the tile's key rows in the pool (K and V share them)."""
+    """[BLOCK_N] offsets of the tile's key rows in the pool (K and V share them): int32
+    when OFFSETS_32 (the launcher proved every element offset of the pool < 2**31), else int64."""
     slot = (start + tl.arange(0, BLOCK_N)) % PAGE_SIZE  # PAGE_SIZE constexpr: a mask or a multiply-shift
-    return page.to(tl.int64) * stride_kp + slot.to(tl.int64) * stride_kt
+    if OFFSETS_32:
+        off = page * stride_kp + slot * stride_kt
+    else:
+        off = page.to(tl.int64) * stride_kp + slot.to(tl.int64) * stride_kt
+    return off
 
 
 @triton.jit
@@ -189,6 +199,8 @@ def _full_tiles(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    OFFSETS_32: tl.constexpr,  # row offsets in int32 (the launcher proved they fit)
+    ALIGNED_PAGES: tl.constexpr,  # paged: BLOCK_N % PAGE_SIZE == 0, per-row page math hoisted
 ):
     """Fold the full key tiles ``[lo, hi)`` into ``(acc, l, m)``: no key mask at all.
 
@@ -196,17 +208,39 @@ def _full_tiles(
     registers, so the K/V loads of a tile depend on no load of the same iteration and
     Triton's pipeliner keeps ``num_stages - 1`` tiles of them in flight (a page-id load
     inside the iteration makes them an indirect load: one tile ahead, waited at once).
+
+    ALIGNED_PAGES: every tile starts at a multiple of BLOCK_N (``lo`` does, the step is
+    BLOCK_N), hence of PAGE_SIZE, so key ``start + j`` sits in slot ``j % PAGE_SIZE`` of
+    the tile's page ``start // PAGE_SIZE + j // PAGE_SIZE``: the slot offsets and the
+    rows' page positions are loop invariants, computed once; per tile only a scalar moves.
     """
     offs_n = tl.arange(0, BLOCK_N)
     if PAGED:
         last = hi - BLOCK_N
         page = tl.load(page_ptr + (lo + offs_n) // PAGE_SIZE, mask=lo <= last, other=0)
+        if ALIGNED_PAGES:
+            row_page = offs_n // PAGE_SIZE  # [BLOCK_N] page of each row, from the tile's first page
+            if OFFSETS_32:
+                slot_off = (offs_n % PAGE_SIZE) * stride_kt
+            else:
+                slot_off = (offs_n % PAGE_SIZE).to(tl.int64) * stride_kt
     for start in tl.range(lo, hi, BLOCK_N):
         if PAGED:
-            k_off = _paged_rows(page, start, stride_kp, stride_kt, PAGE_SIZE, BLOCK_N)
+            if ALIGNED_PAGES:
+                if OFFSETS_32:
+                    k_off = page * stride_kp + slot_off
+                else:
+                    k_off = page.to(tl.int64) * stride_kp + slot_off
+                # The next tile's page ids (the last tile re-reads its own: no mask needed).
+                page = tl.load(page_ptr + tl.minimum(start + BLOCK_N, last) // PAGE_SIZE + row_page)
+            else:
+                k_off = _paged_rows(page, start, stride_kp, stride_kt, PAGE_SIZE, BLOCK_N, OFFSETS_32)
+                page = tl.load(page_ptr + (tl.minimum(start + BLOCK_N, last) + offs_n) // PAGE_SIZE)
             v_off = k_off  # paged K and V views share their strides (one PagedKV)
-            # The next tile's page ids (the last tile re-reads its own: no mask needed).
-            page = tl.load(page_ptr + (tl.minimum(start + BLOCK_N, last) + offs_n) // PAGE_SIZE)
+        elif OFFSETS_32:
+            t = start + offs_n
+            k_off = t * stride_kt
+            v_off = t * stride_vt
         else:
             t = (start + offs_n).to(tl.int64)
             k_off = t * stride_kt
@@ -341,6 +375,8 @@ def _prefill_kernel(
     CAUSAL: tl.constexpr,
     ONE_GROUP: tl.constexpr,  # one group, no indptr (shared_prefix_attention)
     DOT_PRECISION: tl.constexpr,
+    OFFSETS_32: tl.constexpr,  # unmasked loop: K/V row offsets in int32 (every pool offset < 2**31)
+    ALIGNED_PAGES: tl.constexpr,  # unmasked loop, paged, BLOCK_N % PAGE_SIZE == 0: page math hoisted
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -407,7 +443,7 @@ def _prefill_kernel(
     acc, l_i, m_i = _full_tiles(
         acc, l_i, m_i, q, k_head, v_head, page_ptr, split_lo, full_end,
         stride_kp, stride_kt, stride_vt, qk_scale,
-        PAGED, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION,
+        PAGED, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION, OFFSETS_32, ALIGNED_PAGES,
     )
     # Chunks are whole BLOCK_N tiles, so no masked tile straddles a split boundary other
     # than kv_len itself: row_lim (<= kv_len) is the only per-row limit needed.
@@ -579,6 +615,52 @@ def _grid_tiles(q: torch.Tensor, qo_indptr: torch.Tensor | None, kv: _KVSource, 
     return num_groups, num_m_tiles(q.shape[0], num_groups, q.shape[1] // kv.num_kv_heads, config.block_m)
 
 
+_INT32_OFFSET_LIMIT = 2**31  # row offsets computed in int32 must stay below this
+
+
+@dataclass(frozen=True, slots=True)
+class AddressPath:
+    """How the unmasked key loop forms K/V row addresses (the kernel's address switches).
+
+    ``offsets_32``: row offsets (``page * stride_page + slot * stride_token``, or ``token *
+    stride_token`` for ragged K/V) in int32 instead of int64: one IMAD per row instead of a
+    64-bit multiply-add, and 32-bit offsets live across the softmax instead of 64-bit
+    pointers. Only where every offset fits (:func:`default_address_path`).
+    ``aligned_pages``: paged K/V with ``block_n % page_size == 0``: each row's slot offset and
+    page position are loop invariants (every tile starts on a page boundary), so per tile
+    only a scalar moves. The launcher picks both from shapes; tests and benchmarks force them.
+    """
+
+    offsets_32: bool
+    aligned_pages: bool
+
+
+def _max_element_offset(t: torch.Tensor) -> int:
+    """The largest element offset from ``t``'s first element that indexing ``t`` forms."""
+    if t.numel() == 0:
+        return 0
+    return sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+
+
+def default_address_path(kv: _KVSource, config: TileConfig) -> AddressPath:
+    """The address path the launcher takes: every switch on that is exact for these shapes
+    (host side, from shapes and strides only: no sync, CUDA-graph safe).
+
+    int32 offsets are safe when the largest element offset of the K and V views (the
+    paged pool ``[num_pages, page_size, Hkv, D]`` in its layout, or ragged ``[nnz_kv, Hkv,
+    D]``), i.e. ``sum((size - 1) * stride)``, is below 2**31. Every offset the kernel forms
+    in int32 is at most that: a paged row offset ``page * stride_page + slot *
+    stride_token`` (valid page ids are ``< num_pages``, the page-id loads never read past
+    the group's pages, and strides are non-negative) or a ragged ``t * stride_token`` with
+    ``t`` below the group's length, counted from the group's first key, whose offset is
+    added to the base pointer in int64 like the KV head's. Pools of 2**31 elements or more
+    keep the int64 path.
+    """
+    extent = max(_max_element_offset(kv.k), _max_element_offset(kv.v))
+    return AddressPath(offsets_32=extent < _INT32_OFFSET_LIMIT,
+                       aligned_pages=kv.paged and config.block_n % kv.page_size == 0)
+
+
 def _launch(
     q: torch.Tensor,
     qo_indptr: torch.Tensor | None,
@@ -589,12 +671,15 @@ def _launch(
     causal: bool,
     sm_scale: float,
     config: TileConfig,
+    address: AddressPath | None = None,
 ) -> None:
     """Run the kernel into ``o_dest [nnz_qo, S, Hq, D]`` and ``lse_dest [nnz_qo, S, Hq]``.
 
     ``S = o_dest.shape[1]`` is the number of KV splits; with ``S == 1`` the destinations
     may be views of the caller's ``out``/``lse``. ``qo_indptr is None`` means one group of
-    all queries against all of ``kv`` (ragged, starting at token 0).
+    all queries against all of ``kv`` (ragged, starting at token 0). ``address``: the
+    address switches (default: :func:`default_address_path`); a forced one is checked
+    against the same bounds, so the int32 path never runs where it could wrap.
     """
     nnz_qo, num_qo_heads, head_dim = q.shape
     num_groups, num_tiles = _grid_tiles(q, qo_indptr, kv, config)
@@ -605,6 +690,11 @@ def _launch(
     dummy = kv.k  # stands in for pointers the kernel does not read
     if kv.paged and kv.k_strides[:2] != kv.v_strides[:2]:
         raise AssertionError("paged K and V views must share page and token strides")  # _paged_source's promise
+    safe = default_address_path(kv, config)
+    if address is None:
+        address = safe
+    elif (address.offsets_32 and not safe.offsets_32) or (address.aligned_pages and not safe.aligned_pages):
+        raise ValueError(f"address: {address} is not exact for these shapes (allowed at most {safe})")
     grid = (num_tiles, kv.num_kv_heads, num_splits)
     _prefill_kernel[grid](
         q, kv.k, kv.v, o_dest, lse_dest,
@@ -629,6 +719,8 @@ def _launch(
         CAUSAL=causal,
         ONE_GROUP=one_group,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        OFFSETS_32=address.offsets_32,
+        ALIGNED_PAGES=address.aligned_pages,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -645,6 +737,7 @@ def _run(
     sm_scale: float,
     num_splits: int | None = None,
     config: TileConfig | None = None,
+    address: AddressPath | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick tiles and splits from shapes, launch, merge the splits into ``out``/``lse``."""
     nnz_qo, num_qo_heads, head_dim = q.shape
@@ -656,13 +749,13 @@ def _run(
                                         q.device)
     if num_splits == 1:
         _launch(q, qo_indptr, kv, out.unsqueeze(1), lse.unsqueeze(1), causal=causal, sm_scale=sm_scale,
-                config=config)
+                config=config, address=address)
         return out, lse
     # One partial state per split (o in q's dtype, as merge_states takes one dtype; LSE
     # float32). Every (row, split) is written, an empty split as the identity (0, -inf).
     part_o = torch.empty((nnz_qo, num_splits, num_qo_heads, head_dim), dtype=q.dtype, device=q.device)
     part_lse = torch.empty((nnz_qo, num_splits, num_qo_heads), dtype=torch.float32, device=q.device)
-    _launch(q, qo_indptr, kv, part_o, part_lse, causal=causal, sm_scale=sm_scale, config=config)
+    _launch(q, qo_indptr, kv, part_o, part_lse, causal=causal, sm_scale=sm_scale, config=config, address=address)
     merge_states(part_o, part_lse, out=out, out_lse=lse)
     return out, lse
 
