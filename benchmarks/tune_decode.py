@@ -121,8 +121,8 @@ def copy_bandwidth() -> float:
 def run_variant(q, pool, indptr, indices, last, out, lse, cfg: DecodeConfig | None, splits: int | None):
     """One call; ``cfg=None, splits=None``: the default plan of batch_decode_paged."""
     return decode_mod._batch_decode_paged(
-        q, pool, indptr, indices, last, kv_layout="NHD", sm_scale=None, num_splits=splits, out=out, lse=lse,
-        validate=False, config=cfg)
+        q, pool, indptr, indices, last, kv_layout="NHD", sm_scale=None, num_splits=splits, schedule="per_request",
+        out=out, lse=lse, validate=False, config=cfg)
 
 
 def check_correctness(variants: dict[str, DecodeConfig]) -> dict[str, DecodeConfig]:

@@ -12,7 +12,8 @@ A paged cache is passed as ``(k_cache, v_cache)``: either the single tensor
 validate tensor contents (no host syncs); shapes, dtypes and devices are still checked.
 
     torch.ops.cascadeinfer.batch_decode_paged(q, k_cache, v_cache, kv_indptr, kv_indices,
-                                              kv_last_page_len, kv_layout, sm_scale, num_splits, out, lse)
+                                              kv_last_page_len, kv_layout, sm_scale, num_splits, out, lse,
+                                              schedule=None)
 """
 
 from __future__ import annotations
@@ -48,11 +49,11 @@ def merge_states_op(v: torch.Tensor, s: torch.Tensor, out: torch.Tensor, out_lse
 def batch_decode_paged_op(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: Optional[torch.Tensor], kv_indptr: torch.Tensor,
     kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor, kv_layout: str, sm_scale: float,
-    num_splits: Optional[int], out: torch.Tensor, lse: torch.Tensor,
+    num_splits: Optional[int], out: torch.Tensor, lse: torch.Tensor, schedule: Optional[str] = None,
 ) -> None:
     """``batch_decode_paged`` into ``out [batch, Hq, D]`` and ``lse`` float32 ``[batch, Hq]``."""
     batch_decode_paged(q, _cache(k_cache, v_cache), kv_indptr, kv_indices, kv_last_page_len,
-                       kv_layout=kv_layout, sm_scale=sm_scale, num_splits=num_splits,
+                       kv_layout=kv_layout, sm_scale=sm_scale, num_splits=num_splits, schedule=schedule,
                        out=out, lse=lse, validate=False)
 
 

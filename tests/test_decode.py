@@ -29,8 +29,9 @@ LSE_TOL = 1e-4  # the LSE is accumulated in fp32 from exact products: ~1e-6 seen
 
 
 def make_case(device, *, lens, page_size=16, hq=4, hkv=1, head_dim=64, dtype=torch.float16,
-              layout="NHD", form="tensor", spare_pages=3, spare_indices=0, seed=0):
-    """A random pool with the requests' pages randomly permuted in it, plus the CSR table."""
+              layout="NHD", form="tensor", spare_pages=3, spare_indices=0, indptr_offset=0, seed=0):
+    """A random pool with the requests' pages randomly permuted in it, plus the CSR table
+    (``indptr_offset``: kv_indptr[0], with that many unrelated page ids before the rows')."""
     g = torch.Generator().manual_seed(seed)
     npages = [(n + page_size - 1) // page_size for n in lens]
     pool = sum(npages) + spare_pages
@@ -40,8 +41,9 @@ def make_case(device, *, lens, page_size=16, hq=4, hkv=1, head_dim=64, dtype=tor
     else:
         cache = tuple(torch.randn((pool, *inner), generator=g).to(device, dtype) for _ in range(2))
     indices = torch.randperm(pool, generator=g)[: sum(npages)]
-    indices = torch.cat([indices, torch.randint(0, pool, (spare_indices,), generator=g)])
-    indptr = torch.tensor([0, *torch.tensor(npages, dtype=torch.int64).cumsum(0).tolist()])
+    indices = torch.cat([torch.randint(0, pool, (indptr_offset,), generator=g), indices,
+                         torch.randint(0, pool, (spare_indices,), generator=g)])
+    indptr = indptr_offset + torch.tensor([0, *torch.tensor(npages, dtype=torch.int64).cumsum(0).tolist()])
     last = torch.tensor([n - (p - 1) * page_size if p else 0 for n, p in zip(lens, npages)])
     q = torch.randn((len(lens), hq, head_dim), generator=g).to(device, dtype)
     i32 = dict(device=device, dtype=torch.int32)
@@ -71,11 +73,11 @@ def poisoned(q):
     return out, lse
 
 
-def run_and_check(device, *, layout="NHD", num_splits=2, sm_scale=None, **case):
+def run_and_check(device, *, layout="NHD", num_splits=2, schedule=None, sm_scale=None, **case):
     q, cache, indptr, indices, last = make_case(device, layout=layout, **case)
     out, lse = poisoned(q)
     o, s = batch_decode_paged(q, cache, indptr, indices, last, kv_layout=layout, num_splits=num_splits,
-                              sm_scale=sm_scale, out=out, lse=lse)
+                              schedule=schedule, sm_scale=sm_scale, out=out, lse=lse)
     assert o is out and s is lse
     check_against_reference(q, cache, indptr, indices, last, o, s, layout=layout, sm_scale=sm_scale)
 
@@ -226,12 +228,12 @@ def test_random_shapes(lens, page_size, hkv, group, head_dim, num_splits, dtype,
 # --------------------------------------------------------------------------- launch variants
 
 
-def run_config(device, cfg, *, num_splits, layout="NHD", **case):
+def run_config(device, cfg, *, num_splits, layout="NHD", schedule="per_request", **case):
     q, cache, indptr, indices, last = make_case(device, layout=layout, **case)
     out, lse = poisoned(q)
     o, s = decode_mod._batch_decode_paged(
-        q, cache, indptr, indices, last, kv_layout=layout, sm_scale=None, num_splits=num_splits, out=out, lse=lse,
-        validate=True, config=cfg)
+        q, cache, indptr, indices, last, kv_layout=layout, sm_scale=None, num_splits=num_splits,
+        schedule=schedule, out=out, lse=lse, validate=True, config=cfg)
     assert o is out and s is lse
     check_against_reference(q, cache, indptr, indices, last, o, s, layout=layout)
 
@@ -247,7 +249,7 @@ def test_decode_variants(device, name):
 
 
 def test_decode_config_rejects_bad_values():
-    for bad in (dict(block_n=48), dict(num_warps=3), dict(num_stages=0), dict(programs_per_sm=0)):
+    for bad in (dict(block_n=48), dict(num_warps=3), dict(num_stages=0), dict(programs_per_sm=0), dict(min_tokens=0)):
         with pytest.raises(ValueError):
             DecodeConfig(**(dict(block_n=64, num_warps=4, num_stages=3) | bad))
 

@@ -20,6 +20,7 @@ import torch
 
 from cascadeinfer._checks import FLOAT_DTYPES, check_tensor, default_sm_scale, normalize_device
 from cascadeinfer.cascade.plan import HostLevel, choose_cascade, flat_page_table, host_levels
+from cascadeinfer.kernels.decode import pick_decode_schedule
 from cascadeinfer.kernels.prefill import groups_tile_config, paged_num_splits
 from cascadeinfer.ops import split_cache
 from cascadeinfer.layouts.paged_cache import check_kv_layout, unpack_paged_kv_cache
@@ -35,6 +36,7 @@ class _DeviceLevel:
     kv_last_page_len: torch.Tensor
     decode: bool
     num_splits: int | None = None  # prefill levels: KV splits (None: the kernel's default)
+    schedule: str | None = None  # decode levels: batch_decode_paged's schedule (None: from shapes)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return self.qo_indptr, self.kv_indptr, self.kv_indices, self.kv_last_page_len
@@ -50,6 +52,7 @@ def _device_level(level: HostLevel, device: torch.device, old: _DeviceLevel | No
             o.copy_(n)  # in place: a graph captured on these buffers sees the new tables
         old.decode = decode
         old.num_splits = None
+        old.schedule = None
         return old
     return _DeviceLevel(*tensors, decode=decode)
 
@@ -174,6 +177,13 @@ class MultiLevelCascadeAttention:
                         pre.kv_indices.numel() * page_size, self.device, sm_share=prefix_share)
         else:
             self._flat = _device_level(flat, self.device, self._flat)
+        # A decode level's schedule from its lengths, known here on the host: the balanced
+        # one when they vary a lot or the per-request grid ends in a partial wave.
+        dev_level, host_level = (self._levels[-1], levels[-1]) if self.use_cascade else (self._flat, flat)
+        if dev_level.decode:
+            dev_level.schedule = pick_decode_schedule(
+                host_level.num_groups, num_kv_heads, self.device, head_dim=head_dim, dtype=dtype,
+                seq_lens=host_level.kv_lens(page_size))
         self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size = num_qo_heads, num_kv_heads, head_dim, page_size
         self.num_tokens = int(levels[0].qo_indptr[-1])
         self.causal = bool(causal)
@@ -186,7 +196,7 @@ class MultiLevelCascadeAttention:
             # One query per group: causal changes nothing (the query sees every key).
             torch.ops.cascadeinfer.batch_decode_paged(
                 q, k_cache, v_cache, level.kv_indptr, level.kv_indices, level.kv_last_page_len,
-                self.kv_layout, sm_scale, None, out, lse)
+                self.kv_layout, sm_scale, None, out, lse, level.schedule)
         else:
             torch.ops.cascadeinfer.batch_prefill_paged(
                 q, level.qo_indptr, k_cache, v_cache, level.kv_indptr, level.kv_indices,

@@ -1,6 +1,19 @@
-"""Per-request paged decode: one query token per request over its own paged KV (split-KV).
+"""Paged decode: one query token per request over its own paged KV (split-KV), with two
+schedules of the same math.
 
-Stage 1 (``_decode_kernel``) runs one program per (request, kv head, split). The query
+- **per_request** (this module's kernel): every request is cut into the same number of
+  splits. With equal lengths and full waves of programs it is the faster schedule.
+- **balanced** (:mod:`cascadeinfer.kernels.decode_balanced`): the pages of the whole batch,
+  laid end to end, are cut evenly over a fixed grid, so requests of very different lengths
+  and grids that would end in a partial wave keep every SM busy. Each request boundary
+  inside a program drains its K/V pipeline, which costs 1-5% where the per-request plan
+  already fills the machine.
+
+:func:`batch_decode_paged` takes ``schedule=``; by default :func:`pick_decode_schedule`
+chooses from shapes (the per-request plan's wave tail), and a caller that knows the lengths
+on the host (the cascade planner, an engine's scheduler) passes them to it as well.
+
+The per-request schedule. Stage 1 (``_decode_kernel``) runs one program per (request, kv head, split). The query
 heads that share a kv head are packed into the M dimension of a ``tl.dot`` (padded to 16
 rows and masked), so each K/V tile is read from memory once for the whole group and the
 products run on tensor cores. A split owns a contiguous range of its request's pages,
@@ -47,6 +60,7 @@ from cascadeinfer._checks import (
     same_device,
     use_triton,
 )
+from cascadeinfer.kernels import decode_balanced as balanced
 from cascadeinfer.kernels import merge as merge_mod
 from cascadeinfer.layouts.paged_cache import PagedKV, PagedKVCache, unpack_paged_kv_cache
 
@@ -226,19 +240,26 @@ class DecodeConfig:
     """Launch parameters of the stage-1 kernel (internal; the benchmarks compare several).
 
     ``programs_per_sm`` sets the split plan when the caller leaves ``num_splits`` to it
-    (:func:`decode_num_splits`): about that many programs per SM, the number of this
-    config's programs that are resident on one SM at once (one wave, no tail).
+    (:func:`decode_num_splits`, :func:`balanced_num_programs`): about that many programs
+    per SM, the number of this config's programs that are resident on one SM at once (one
+    wave, no tail). Balanced schedule only: ``min_tokens``, the default plan gives each
+    program at least this many tokens' pages (a batch with few pages runs on fewer
+    programs, the others exit at once); ``pdl``, launch its stage 2 as a programmatic
+    dependent launch where the device has it (CUDA, sm_90+).
     """
 
     block_n: int
     num_warps: int
     num_stages: int
     programs_per_sm: int = 2
+    min_tokens: int = 256
+    pdl: bool = True
 
     def __post_init__(self) -> None:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
             raise ValueError(f"block_n: expected a power of two >= 16, got {self.block_n}")
-        if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1 or self.programs_per_sm < 1:
+        if (self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1 or self.programs_per_sm < 1
+                or self.min_tokens < 1):
             raise ValueError(f"invalid DecodeConfig {self}")
 
 
@@ -319,6 +340,107 @@ def decode_num_splits(batch: int, num_kv_heads: int, device: torch.device | str,
     return max(1, min(MAX_SPLITS, _num_sms(dev) * programs_per_sm // work))
 
 
+# The balanced schedule's variants (sm_90a builds of its kernel, bf16, D=128, group 4:
+# n128_w4_s5 168 registers, 137 KiB of shared memory -> 1 program per SM with two 64 KiB
+# K+V tiles in flight; n128_w4_s3 168 registers, 73 KiB -> up to 3 per SM).
+BALANCED_VARIANTS: dict[str, DecodeConfig] = {
+    "n128_w4_s5": DecodeConfig(block_n=128, num_warps=4, num_stages=5, programs_per_sm=1),
+    "n128_w4_s3x2": DecodeConfig(block_n=128, num_warps=4, num_stages=3, programs_per_sm=2),
+    "n128_w4_s3x3": DecodeConfig(block_n=128, num_warps=4, num_stages=3, programs_per_sm=3),
+}
+
+
+def pick_balanced_config(head_dim: int, dtype: torch.dtype, *, num_kv_heads: int,
+                         num_sms: int = DEFAULT_NUM_SMS) -> DecodeConfig:
+    """The balanced schedule's launch parameters for these shapes.
+
+    fp16/bf16, head_dim 65..128: n128_w4_s5, one program per SM with two 64 KiB K+V tiles
+    in flight (~128 KiB per SM saturates HBM): 16 programs per kv head at 132 SMs and 8 kv
+    heads. Fewer, longer programs cross fewer request boundaries, where a program's K/V
+    pipeline drains and refills (H100, 16 shapes: best of six one-wave plans or within
+    0.5% of it at 14). When ``floor(num_sms / num_kv_heads)`` programs per kv head leave
+    more than a tenth of the SMs idle (e.g. 48 kv heads: 96 of 132), n128_w4_s3 at 2 or 3
+    per SM, whichever fills the wave better (not timed).
+    """
+    block_d = max(16, next_power_of_2(head_dim))
+    if dtype == torch.float32:
+        # fp32 "ieee" products run on FMA units: 8 warps and 16-key tiles.
+        return DecodeConfig(block_n=16, num_warps=8, num_stages=5)
+    if block_d >= 256:
+        # twice the bytes per key: half the keys per tile, 8 warps (2 per SM).
+        return DecodeConfig(block_n=32, num_warps=8, num_stages=5)
+    if block_d <= 64:
+        # half the bytes per key: two programs per SM keep ~128 KiB of K/V in flight.
+        return DecodeConfig(block_n=128, num_warps=4, num_stages=5, programs_per_sm=2)
+    heads = max(1, num_kv_heads)
+    if heads > num_sms or (num_sms // heads) * heads >= 0.9 * num_sms:
+        return BALANCED_VARIANTS["n128_w4_s5"]
+
+    def filled(per_sm: int) -> float:  # busy fraction of a wave of per_sm programs per SM
+        return (per_sm * num_sms // heads) * heads / (per_sm * num_sms)
+
+    return BALANCED_VARIANTS["n128_w4_s3x2" if filled(2) >= filled(3) else "n128_w4_s3x3"]
+
+
+def balanced_num_programs(num_kv_heads: int, device: torch.device | str, *,
+                          programs_per_sm: int | None = None) -> int:
+    """Programs per kv head (``P``) of the balanced schedule's default plan: one wave,
+    ``floor(num_sms * programs_per_sm / num_kv_heads)`` clamped to ``[1, 4096]``, from
+    shapes only (CUDA-graph safe). ``programs_per_sm=None`` takes it from
+    :func:`pick_balanced_config` for bf16, head_dim 128."""
+    if num_kv_heads < 1:
+        raise ValueError(f"num_kv_heads: expected >= 1, got {num_kv_heads}")
+    num_sms = _num_sms(torch.device(device))
+    if programs_per_sm is None:
+        programs_per_sm = pick_balanced_config(128, torch.bfloat16, num_kv_heads=num_kv_heads,
+                                               num_sms=num_sms).programs_per_sm
+    return max(1, min(balanced.MAX_PROGRAMS, num_sms * programs_per_sm // num_kv_heads))
+
+
+SCHEDULES = ("per_request", "balanced")
+# The per-request plan is kept while its busiest SM has at most 1/0.9 of the average work
+# (H100, bf16 Hq 32 Hkv 8 D 128, fraction of copy, per-request vs balanced: 17x8K 0.83 vs
+# 0.95 (fill 0.69), 40x4K 0.94 vs 0.96 (0.81), 100x4K 0.95 vs 0.99 (0.87); 64x4K 0.997 vs
+# 0.986 (0.97), 256x4K 1.016 vs 1.003 (0.97), 16x4K 0.957 vs 0.939 (one wave)).
+_MIN_WAVE_FILL = 0.9
+# ... and while the requests' mean length is at least this fraction of the longest
+# (1 x 64K + 63 x 1K: per-request 0.16 of copy, balanced 0.90).
+_MIN_LENGTH_BALANCE = 0.8
+
+
+def pick_decode_schedule(batch: int, num_kv_heads: int, device: torch.device | str, *, head_dim: int = 128,
+                         dtype: torch.dtype = torch.bfloat16, seq_lens=None) -> str:
+    """``"per_request"`` or ``"balanced"``: the schedule :func:`batch_decode_paged` uses.
+
+    From shapes: the per-request plan (:func:`pick_decode_config`, :func:`decode_num_splits`)
+    gives every program the same work, so with more programs than SMs the busiest SM gets
+    ``ceil(programs / num_sms)`` of them against ``programs / num_sms`` on average; below
+    0.9 of that, balanced. (At one program per SM or fewer no SM waits on another.)
+    ``seq_lens`` (optional, host ints or a CPU tensor, ``[batch]`` tokens per request):
+    when their mean is under 0.8 of the longest, the per-request plan waits on the long
+    requests' programs: balanced. Reading lengths needs them on the host, so only callers
+    that have them (a planner) pass them.
+    """
+    if batch < 0 or num_kv_heads < 1:
+        raise ValueError(f"batch, num_kv_heads: expected >= 0 and >= 1, got {batch}, {num_kv_heads}")
+    num_sms = _num_sms(torch.device(device))
+    work = max(1, batch * num_kv_heads)
+    cfg = pick_decode_config(head_dim, dtype, 16, work=work, num_sms=num_sms)
+    programs = work * decode_num_splits(batch, num_kv_heads, device, programs_per_sm=cfg.programs_per_sm)
+    if programs > num_sms:
+        per_sm = programs / num_sms
+        if per_sm / math.ceil(per_sm) < _MIN_WAVE_FILL:
+            return "balanced"
+    if seq_lens is not None:
+        lens = torch.as_tensor(seq_lens, dtype=torch.float64).reshape(-1)
+        if lens.numel() != batch:
+            raise ValueError(f"seq_lens: expected {batch} lengths, got {lens.numel()}")
+        longest = float(lens.max()) if batch else 0.0
+        if longest > 0 and float(lens.mean()) < _MIN_LENGTH_BALANCE * longest:
+            return "balanced"
+    return "per_request"
+
+
 def _check_page_table(
     kv: PagedKV, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor
 ) -> None:
@@ -358,6 +480,7 @@ def batch_decode_paged(
     kv_layout: str = "NHD",
     sm_scale: float | None = None,
     num_splits: int | None = None,
+    schedule: str | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     validate: bool = True,
@@ -369,16 +492,24 @@ def batch_decode_paged(
             dimension contiguous. Query head ``h`` reads kv head ``h // (num_qo_heads // num_kv_heads)``.
         paged_kv_cache: the paged cache (single tensor or ``(k, v)`` tuple, see
             :mod:`cascadeinfer.layouts.paged_cache`), same dtype and device as ``q``.
-        kv_indptr: int32 ``[batch + 1]``; request ``i`` owns pages
+        kv_indptr: int32 ``[batch + 1]``, non-decreasing; request ``i`` owns pages
             ``kv_indices[kv_indptr[i]:kv_indptr[i + 1]]`` (a request with none sees no key).
-        kv_indices: int32 page ids (at least ``kv_indptr[batch]`` entries).
+        kv_indices: int32 page ids (at least ``kv_indptr[batch]`` entries; later ones are ignored).
         kv_last_page_len: int32 ``[batch]``, tokens in each request's last page, in ``[1, page_size]``.
         kv_layout: ``"NHD"`` or ``"HND"``.
         sm_scale: softmax scale, default ``head_dim ** -0.5``.
-        num_splits: KV splits per (request, kv head); default: a plan from the shapes
-            (:func:`pick_decode_config`, :func:`decode_num_splits`; never from sequence
-            lengths). Each split reads ``cdiv(num_pages, num_splits)`` consecutive pages
-            of its request; the partial states are merged by ``merge_states``' kernel.
+        num_splits: with ``schedule="per_request"``, KV splits per (request, kv head),
+            1..256: each reads ``cdiv(num_pages, num_splits)`` consecutive pages of its
+            request and ``merge_states``' kernel merges them. With ``"balanced"``,
+            programs per kv head ``P``, 1..4096: the batch's pages laid end to end are
+            cut into ``P`` pieces of ``cdiv(kv_indptr[batch] - kv_indptr[0], P)`` pages
+            (found on the device) and a second kernel merges the requests a cut runs
+            through. None: the schedule's plan from shapes (:func:`decode_num_splits`,
+            :func:`balanced_num_programs`).
+        schedule: ``"per_request"``, ``"balanced"``, or None: :func:`pick_decode_schedule`
+            from shapes (it never reads lengths here; pass ``schedule`` from
+            ``pick_decode_schedule(..., seq_lens=...)`` when lengths vary and are known
+            on the host), or ``"per_request"`` when ``num_splits`` is given.
         out: optional ``[batch, num_qo_heads, head_dim]`` output buffer (dtype of ``q``,
             last dimension contiguous).
         lse: optional float32 ``[batch, num_qo_heads]`` buffer for the LSE.
@@ -391,17 +522,19 @@ def batch_decode_paged(
         scaled scores. A request with no keys gets ``o = 0``, ``lse = -inf``.
 
     The launch reads nothing from the device (grid from shapes only), so the call can be
-    captured in a CUDA graph and replayed after the page table is changed in place.
+    captured in a CUDA graph and replayed after the page table is changed in place (the
+    balanced schedule: any lengths and total, as long as ``kv_indices`` is long enough).
     """
     return _batch_decode_paged(
         q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, kv_layout=kv_layout,
-        sm_scale=sm_scale, num_splits=num_splits, out=out, lse=lse, validate=validate, config=None,
+        sm_scale=sm_scale, num_splits=num_splits, schedule=schedule, out=out, lse=lse, validate=validate,
+        config=None,
     )
 
 
 def _batch_decode_paged(
     q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, *, kv_layout, sm_scale,
-    num_splits, out, lse, validate, config: DecodeConfig | None,
+    num_splits, schedule, out, lse, validate, config: DecodeConfig | None,
 ):
     """:func:`batch_decode_paged` with the stage-1 launch parameters given (None: the default)."""
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
@@ -420,9 +553,16 @@ def _batch_decode_paged(
     check_int32_vector("kv_indptr", kv_indptr, device, batch + 1)
     check_int32_vector("kv_indices", kv_indices, device)
     check_int32_vector("kv_last_page_len", kv_last_page_len, device, batch)
+    if schedule is not None and schedule not in SCHEDULES:
+        raise ValueError(f"schedule: expected one of {SCHEDULES} or None, got {schedule!r}")
+    if schedule is None:
+        schedule = "per_request" if num_splits is not None else pick_decode_schedule(
+            batch, kv.num_kv_heads, device, head_dim=head_dim, dtype=q.dtype)
     if num_splits is not None:
-        if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
-            raise ValueError(f"num_splits: expected a positive int or None, got {num_splits!r}")
+        limit = MAX_SPLITS if schedule == "per_request" else balanced.MAX_PROGRAMS
+        if not isinstance(num_splits, int) or isinstance(num_splits, bool) or not 1 <= num_splits <= limit:
+            raise ValueError(f"num_splits: expected an int in [1, {limit}] for schedule {schedule!r} "
+                             f"or None, got {num_splits!r}")
     scale = default_sm_scale(head_dim, sm_scale)
     if out is None:
         out = torch.empty((batch, num_qo_heads, head_dim), dtype=q.dtype, device=device)
@@ -443,7 +583,35 @@ def _batch_decode_paged(
         out.copy_(o_ref)
         lse.copy_(lse_ref)
         return out, lse
+    if schedule == "balanced":
+        _launch_balanced(q, kv, kv_indptr, kv_indices, kv_last_page_len, out, lse, scale, num_splits, config)
+    else:
+        _launch_per_request(q, kv, kv_indptr, kv_indices, kv_last_page_len, out, lse, scale, num_splits, config)
+    return out, lse
 
+
+def _launch_balanced(q, kv: PagedKV, kv_indptr, kv_indices, kv_last_page_len, out, lse, scale: float,
+                     num_splits: int | None, config: DecodeConfig | None) -> None:
+    """The balanced schedule (:mod:`cascadeinfer.kernels.decode_balanced`), checked inputs."""
+    device = q.device
+    cfg = config if config is not None else pick_balanced_config(
+        q.shape[2], q.dtype, num_kv_heads=kv.num_kv_heads, num_sms=_num_sms(device))
+    if num_splits is None:
+        programs = balanced_num_programs(kv.num_kv_heads, device, programs_per_sm=cfg.programs_per_sm)
+        min_pages = triton.cdiv(cfg.min_tokens, kv.page_size)
+    else:
+        programs, min_pages = num_splits, 1
+    balanced.launch_balanced(
+        q, kv, kv_indptr, kv_indices, kv_last_page_len, out, lse, qk_scale=scale * LOG2E, programs=programs,
+        min_pages=min_pages, block_n=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        pdl=cfg.pdl and balanced.has_pdl(device))
+
+
+def _launch_per_request(q, kv: PagedKV, kv_indptr, kv_indices, kv_last_page_len, out, lse, scale: float,
+                        num_splits: int | None, config: DecodeConfig | None) -> None:
+    """The per-request schedule (this module's kernel, then merge_states' for splits > 1)."""
+    device = q.device
+    batch, num_qo_heads, head_dim = q.shape
     cfg = config if config is not None else pick_decode_config(
         head_dim, q.dtype, kv.page_size, work=batch * kv.num_kv_heads, num_sms=_num_sms(device))
     if num_splits is None:
@@ -485,7 +653,6 @@ def _batch_decode_paged(
     if split:
         # Stage 2 (inputs checked here already: the internal launcher, no second check).
         merge_mod._launch_dense(part_o, part_lse, out, lse)
-    return out, lse
 
 
 # --------------------------------------------------------------------------- reference
