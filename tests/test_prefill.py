@@ -211,7 +211,7 @@ def test_paged_address_paths_agree(device, page_size, layout, causal):
     q = _randn((5, hkv * group, d), dtype, device, gen)
     args = (q, qo_indptr, cache, table.kv_indptr, table.kv_indices, table.kv_last_page_len)
     source = P._paged_source(unpack_paged_kv_cache(cache, layout), *args[3:])
-    safe = P.default_address_path(source, SMALL)
+    safe = P.exact_address_path(source, SMALL)
     assert safe == P.AddressPath(offsets_32=True, aligned_pages=16 % page_size == 0)
     ref = P.batch_prefill_paged_ref(*args, causal=causal, kv_layout=layout)
     results = []
@@ -236,7 +236,7 @@ def test_ragged_address_paths_agree(device):
     qo_indptr = indptr_from_lengths([3, 2], device=device)
     kv_indptr = indptr_from_lengths([37, 53], device=device)
     source = P._ragged_source(q, k, v, kv_indptr)
-    assert P.default_address_path(source, SMALL) == P.AddressPath(offsets_32=True, aligned_pages=False)
+    assert P.exact_address_path(source, SMALL) == P.AddressPath(offsets_32=True, aligned_pages=False)
     ref = P.batch_prefill_ragged_ref(q, qo_indptr, k, v, kv_indptr)
     outs = []
     for address in (P.AddressPath(False, False), P.AddressPath(True, False)):
@@ -256,7 +256,7 @@ def _meta_paged_source(num_pages, page_size=16, hkv=8, d=128, layout="NHD"):
     return P._paged_source(unpack_paged_kv_cache(cache, layout), idx, idx, idx), cache
 
 
-def test_default_address_path_int32_bound():
+def test_exact_address_path_int32_bound():
     """int32 offsets exactly while the largest element offset of the K and V views is below
     2**31; a pool past it (the GPU test's 100K prefix at page 70000) keeps int64."""
     big = P.TileConfig(128, 128, 8, 3)
@@ -267,16 +267,34 @@ def test_default_address_path_int32_bound():
     for num_pages, expect in ((fits, True), (fits + 1, False), (76_251, False)):
         assert ((num_pages - 1) * per_page + 16383 < 2**31) == expect
         source, _ = _meta_paged_source(num_pages)
-        assert P.default_address_path(source, big) == P.AddressPath(offsets_32=expect, aligned_pages=True)
+        assert P.exact_address_path(source, big) == P.AddressPath(offsets_32=expect, aligned_pages=True)
     source, _ = _meta_paged_source(1000, page_size=256, layout="HND")  # 128-key tiles inside a page
-    assert P.default_address_path(source, big) == P.AddressPath(offsets_32=True, aligned_pages=False)
+    assert P.exact_address_path(source, big) == P.AddressPath(offsets_32=True, aligned_pages=False)
     # Ragged [nnz_kv, 1, 128] contiguous: largest offset (nnz_kv - 1) * 128 + 127.
     q = torch.empty((1, 4, 128), dtype=torch.bfloat16, device="meta")
     for nnz_kv, expect in ((2**24, True), (2**24 + 1, False)):
         k = torch.empty((nnz_kv, 1, 128), dtype=torch.bfloat16, device="meta")
         v = torch.empty((1, 1, 128), dtype=torch.bfloat16, device="meta").expand(nnz_kv, 1, 128)  # stride 0
-        assert P.default_address_path(P._ragged_source(q, k, v, None), big).offsets_32 == expect
-        assert P.default_address_path(P._ragged_source(q, v, k, None), big).offsets_32 == expect  # V alone
+        assert P.exact_address_path(P._ragged_source(q, k, v, None), big).offsets_32 == expect
+        assert P.exact_address_path(P._ragged_source(q, v, k, None), big).offsets_32 == expect  # V alone
+
+
+def test_default_address_path_per_tile():
+    """The measured choice: 128-row tiles hoist the page math (int32 only where pages do
+    not align), 64-row tiles take both switches, 16-32-row tiles neither; never more
+    than is exact."""
+    source, _ = _meta_paged_source(1000)
+    tiles = {m: P.TileConfig(m, 64, 4, 3) for m in (16, 32, 64)} | {128: P.TileConfig(128, 128, 8, 3)}
+    assert P.default_address_path(source, tiles[128]) == P.AddressPath(offsets_32=False, aligned_pages=True)
+    assert P.default_address_path(source, tiles[64]) == P.AddressPath(offsets_32=True, aligned_pages=True)
+    assert P.default_address_path(source, tiles[16]) == P.default_address_path(source, tiles[32]) == \
+        P.AddressPath(offsets_32=False, aligned_pages=False)
+    unaligned, _ = _meta_paged_source(1000, page_size=256)
+    assert P.default_address_path(unaligned, tiles[128]) == P.AddressPath(offsets_32=True, aligned_pages=False)
+    big, _ = _meta_paged_source(76_251, page_size=256)
+    for config in tiles.values():
+        path, exact = P.default_address_path(big, config), P.exact_address_path(big, config)
+        assert not path.offsets_32 and (exact.aligned_pages or not path.aligned_pages)
 
 
 def test_forced_int32_past_2_31_is_refused():
@@ -626,7 +644,7 @@ def test_gpu_shared_prefix_realistic(length, n, high_pages):
         assert t.kv_indices.min().item() * cache.stride(0) > 2**31
     source = P._paged_source(unpack_paged_kv_cache(cache, "NHD"), t.kv_indptr, t.kv_indices, t.kv_last_page_len)
     config = P.groups_tile_config(n, 1, 4, 128, torch.bfloat16)
-    assert P.default_address_path(source, config).offsets_32 == (not high_pages), "int64 offsets past 2^31"
+    assert P.exact_address_path(source, config).offsets_32 == (not high_pages), "int64 offsets past 2^31"
     out, lse = poisoned(q)
     batch_prefill_paged(q, qo_indptr, cache, t.kv_indptr, t.kv_indices, t.kv_last_page_len, out=out, lse=lse)
     kv = unpack_paged_kv_cache(cache, "NHD")

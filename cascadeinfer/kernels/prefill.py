@@ -43,6 +43,7 @@ How the kernel is laid out (the ideas of FlashAttention-2 and Triton's
   (checked on the host from shapes and strides), the unmasked loop forms row offsets in
   int32; and when ``BLOCK_N`` is a multiple of ``PAGE_SIZE`` each row's slot offset and
   page position are hoisted out of it (:class:`AddressPath`). Larger pools keep int64.
+  Which of the two a tile takes is measured (:func:`default_address_path`).
 * **Tiles from shapes.** 128x128 tiles, 8 warps, 3 stages for long groups; groups of
   few packed rows (cascade middle levels) get 16-64-row tiles (:func:`default_tile_config`).
 
@@ -625,7 +626,7 @@ class AddressPath:
     ``offsets_32``: row offsets (``page * stride_page + slot * stride_token``, or ``token *
     stride_token`` for ragged K/V) in int32 instead of int64: one IMAD per row instead of a
     64-bit multiply-add, and 32-bit offsets live across the softmax instead of 64-bit
-    pointers. Only where every offset fits (:func:`default_address_path`).
+    pointers. Only where every offset fits (:func:`exact_address_path`).
     ``aligned_pages``: paged K/V with ``block_n % page_size == 0``: each row's slot offset and
     page position are loop invariants (every tile starts on a page boundary), so per tile
     only a scalar moves. The launcher picks both from shapes; tests and benchmarks force them.
@@ -642,9 +643,9 @@ def _max_element_offset(t: torch.Tensor) -> int:
     return sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
 
 
-def default_address_path(kv: _KVSource, config: TileConfig) -> AddressPath:
-    """The address path the launcher takes: every switch on that is exact for these shapes
-    (host side, from shapes and strides only: no sync, CUDA-graph safe).
+def exact_address_path(kv: _KVSource, config: TileConfig) -> AddressPath:
+    """Every address switch that is exact for these shapes (host side, from shapes and
+    strides only: no sync, CUDA-graph safe); a forced path may use at most these.
 
     int32 offsets are safe when the largest element offset of the K and V views (the
     paged pool ``[num_pages, page_size, Hkv, D]`` in its layout, or ragged ``[nnz_kv, Hkv,
@@ -659,6 +660,27 @@ def default_address_path(kv: _KVSource, config: TileConfig) -> AddressPath:
     extent = max(_max_element_offset(kv.k), _max_element_offset(kv.v))
     return AddressPath(offsets_32=extent < _INT32_OFFSET_LIMIT,
                        aligned_pages=kv.paged and config.block_n % kv.page_size == 0)
+
+
+def default_address_path(kv: _KVSource, config: TileConfig) -> AddressPath:
+    """The address path the launcher takes: of the exact switches
+    (:func:`exact_address_path`), the ones measured fastest for the tile.
+
+    H100, bf16 Hq 32 Hkv 8 D 128 page 16, one group (benchmarks/tune_prefix_offsets.py,
+    fraction of matmul at n 128-512 x L 8K-32K): 128-row tiles, int64 0.47-0.61, int32
+    0.52-0.65, hoisted page math alone 0.55-0.68, both 0.53-0.66: the hoisting alone, or
+    int32 where pages do not align. 64-row tiles: both (the Hkv 32 cascade at (64, 8192,
+    256) unchanged, 150.5 us against 150.8). 16- and 32-row tiles (bandwidth-bound
+    decode-like groups): neither; both made the Hkv 32 cascade at (16, 65536, 1024) 8%
+    slower (489 us against 452).
+    """
+    exact = exact_address_path(kv, config)
+    if config.block_m >= 128:
+        return AddressPath(offsets_32=exact.offsets_32 and not exact.aligned_pages,
+                           aligned_pages=exact.aligned_pages)
+    if config.block_m >= 64:
+        return exact
+    return AddressPath(offsets_32=False, aligned_pages=False)
 
 
 def _launch(
@@ -690,9 +712,9 @@ def _launch(
     dummy = kv.k  # stands in for pointers the kernel does not read
     if kv.paged and kv.k_strides[:2] != kv.v_strides[:2]:
         raise AssertionError("paged K and V views must share page and token strides")  # _paged_source's promise
-    safe = default_address_path(kv, config)
+    safe = exact_address_path(kv, config)
     if address is None:
-        address = safe
+        address = default_address_path(kv, config)
     elif (address.offsets_32 and not safe.offsets_32) or (address.aligned_pages and not safe.aligned_pages):
         raise ValueError(f"address: {address} is not exact for these shapes (allowed at most {safe})")
     grid = (num_tiles, kv.num_kv_heads, num_splits)
