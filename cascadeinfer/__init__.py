@@ -14,6 +14,7 @@ from cascadeinfer.kernels import (
     merge_state_in_place,
     merge_states,
     merge_states_ragged,
+    pick_decode_schedule,
     shared_prefix_attention,
 )
 from cascadeinfer.layouts import PagedKVPool, PageTable, get_batch_indices_positions, get_seq_lens
@@ -34,5 +35,6 @@ __all__ = [
     "merge_state_in_place",
     "merge_states",
     "merge_states_ragged",
+    "pick_decode_schedule",
     "shared_prefix_attention",
 ]

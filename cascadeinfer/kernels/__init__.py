@@ -1,7 +1,7 @@
 """Triton kernels that return attention states ``(o, lse)``, and the merge that combines them."""
 
 from cascadeinfer.kernels.append import append_paged_kv_cache
-from cascadeinfer.kernels.decode import batch_decode_paged, decode_num_splits
+from cascadeinfer.kernels.decode import batch_decode_paged, decode_num_splits, pick_decode_schedule
 from cascadeinfer.kernels.merge import merge_state, merge_state_in_place, merge_states, merge_states_ragged
 from cascadeinfer.kernels.prefill import batch_prefill_paged, batch_prefill_ragged, shared_prefix_attention
 
@@ -15,5 +15,6 @@ __all__ = [
     "merge_state_in_place",
     "merge_states",
     "merge_states_ragged",
+    "pick_decode_schedule",
     "shared_prefix_attention",
 ]
