@@ -61,6 +61,7 @@ from cascadeinfer._checks import (
     use_triton,
 )
 from cascadeinfer.kernels import decode_balanced as balanced
+from cascadeinfer.kernels.decode_balanced import attend_tile
 from cascadeinfer.kernels import merge as merge_mod
 from cascadeinfer.layouts.paged_cache import PagedKV, PagedKVCache, unpack_paged_kv_cache
 
@@ -119,23 +120,7 @@ def _decode_tile(
         k = tl.load(k_ptr + offs, mask=mask, other=0.0)
         v = tl.load(v_ptr + offs, mask=mask, other=0.0)
 
-    if IEEE:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
-    s = s * qk_scale  # [BLOCK_H, BLOCK_N] base-2 scores
-    if MASKED:
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: subtract 0, not -inf
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if IEEE:
-        acc = tl.dot(p, v, acc * alpha[:, None], input_precision="ieee")
-    else:
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-    return acc, l_i, m_new
+    return attend_tile(acc, l_i, m_i, q, k, v, qk_scale, tok < t_end, MASKED, IEEE)
 
 
 @triton.jit(do_not_specialize=["num_kv_heads", "num_splits"])

@@ -101,12 +101,28 @@ def _clamped_tile(
         k = tl.load(k_ptr + offs, mask=mask, other=0.0)
         v = tl.load(v_ptr + offs, mask=mask, other=0.0)
 
+    return attend_tile(acc, l_i, m_i, q, k, v, qk_scale, tok < t_end, True, IEEE)
+
+
+@triton.jit
+def attend_tile(
+    acc, l_i, m_i,  # running state: [BLOCK_H, BLOCK_D] fp32, [BLOCK_H] fp32, [BLOCK_H] fp32 (base 2)
+    q,  # [BLOCK_H, BLOCK_D] the packed query heads, input dtype
+    k, v,  # [BLOCK_N, BLOCK_D] the tile's keys and values, input dtype
+    qk_scale,  # sm_scale * log2(e)
+    key_ok,  # [BLOCK_N] keys that count (used when MASKED)
+    MASKED: tl.constexpr,
+    IEEE: tl.constexpr,  # fp32 inputs: exact fp32 products
+):
+    """One loaded K/V tile into the online softmax (both decode schedules): base-2
+    scores ``q @ k^T * qk_scale``, then the running max, sum and accumulator."""
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
     s = s * qk_scale  # [BLOCK_H, BLOCK_N] base-2 scores
-    s = tl.where((tok < t_end)[None, :], s, float("-inf"))
+    if MASKED:
+        s = tl.where(key_ok[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: subtract 0, not -inf
     alpha = tl.exp2(m_i - m_safe)
@@ -117,7 +133,6 @@ def _clamped_tile(
     else:
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
     return acc, l_i, m_new
-
 
 
 @triton.jit
