@@ -4,9 +4,11 @@ Cascade reads the shared prefix once and runs it on tensor cores, but pays one l
 per level plus a merge; flat decode reads every request's full page list (the prefix
 once per request, partly from L2 when it is short) in a single launch. Neither always
 wins: a short prefix or a small batch favours flat decode. The model predicts both
-times from bytes moved and FLOPs, plus a fixed cost per level; its constants were fitted
-to 72 measured shapes on an H200 (benchmarks/NOTES.md, "Planner"), where it picks the
-faster path, or one within 5% of it, on all of them.
+times from bytes moved and FLOPs, plus a fixed cost per level. v3 constants: grid search
+(benchmarks/fit_planner.py) on 196 shapes measured on an H100 (176 grid + 20 bar/generality)
+and the 72 H200 shapes of v2; it picks the faster path, or one within 5% of it, on all 268
+(v2: 194/196 and 71/72). The side-stream gain counts only where the runtime takes the side
+stream (128-row prefill tiles). benchmarks/NOTES.md, "Planner v3".
 """
 
 from __future__ import annotations
@@ -18,19 +20,19 @@ import torch
 
 @dataclass(frozen=True, slots=True)
 class DeviceModel:
-    """Ceilings of a device, and what our kernels reach of them (fitted on an H200)."""
+    """Ceilings of a device, and what our kernels reach of them (v3: fitted on an H100 and an H200)."""
 
     copy_bandwidth: float = 3.0e12  # bytes/s, kernel copy on an H100 SXM (read + write)
     matmul_rate: float = 6.8e14  # FLOP/s, bf16 dense
     l2_bytes: int = 50 * 2**20
     decode_bandwidth_efficiency: float = 0.97  # of copy bandwidth (bench_decode: 0.95-1.05)
-    prefix_flop_efficiency: float = 0.55  # of matmul rate (bench_prefix: 0.5-0.66 at scale)
-    decode_flop_efficiency: float = 0.2  # the GQA-packed decode dot, M padded to 16 rows
-    prefix_level_seconds: float = 8e-6  # fixed cost of a prefill level (splits + their merge)
-    decode_level_seconds: float = 10e-6  # fixed cost of a decode level (splits + their merge)
-    merge_seconds: float = 2e-6  # fixed cost of merging two levels
-    l2_miss_small: float = 0.3  # repeated reads of a level that fits in L2 that still miss
-    overlap_gain: float = 0.3  # of the shorter of a prefill level and the decode level under it,
+    prefix_flop_efficiency: float = 0.7  # of matmul rate (H100 grid, faster prefix kernel: ~0.73 at scale)
+    decode_flop_efficiency: float = 0.25  # the GQA-packed decode dot, M padded to 16 rows
+    prefix_level_seconds: float = 6e-6  # fixed cost of a prefill level (splits + their merge)
+    decode_level_seconds: float = 14e-6  # fixed cost of a decode level (splits + their merge)
+    merge_seconds: float = 4e-6  # fixed cost of merging two levels
+    l2_miss_small: float = 0.4  # repeated reads of a level that fits in L2 that still miss
+    overlap_gain: float = 0.2  # of the shorter of a prefill level and the decode level under it,
     # saved by running them on two streams (measured 0.28-0.43 on an H100, benchmarks/NOTES.md)
 
     @staticmethod
@@ -53,11 +55,26 @@ class LevelShape:
     unique_keys: int  # sum over groups with queries of each group's key count
     query_key_pairs: int  # sum over groups of queries × keys (FLOPs / (4·Hq·D))
     flat_key_reads: int  # keys of this level that flat attention reads (once per last-level group)
+    num_groups: int = 1  # groups of the level (sets the prefill tile height; 1 where unknown)
 
 
 def overlaps(levels: list[LevelShape]) -> bool:
     """Whether the last level (decode) runs on a second stream beside the prefill level above it."""
     return len(levels) > 1 and levels[-1].decode and not levels[-2].decode
+
+
+def side_stream_runs(levels: list[LevelShape], *, group_size: int, head_dim: int, elem_bytes: int) -> bool:
+    """Whether :func:`overlaps` holds and the runtime really takes the side stream: only where
+    the prefill level's tiles are 128 rows (``MultiLevelCascadeAttention.plan``), i.e. its
+    average packed rows per group pick a 128-row :func:`groups_tile_config`."""
+    if not overlaps(levels):
+        return False
+    from cascadeinfer.kernels.prefill import groups_tile_config  # the tiles the launcher picks
+
+    pre = levels[-2]
+    dtype = torch.float32 if elem_bytes == 4 else torch.bfloat16
+    config = groups_tile_config(pre.num_queries, max(1, pre.num_groups), group_size, head_dim, dtype)
+    return config.block_m >= 128
 
 
 def prefix_sm_fraction(t_prefix: float, t_decode: float) -> float:
@@ -85,7 +102,7 @@ def predict_seconds(
     A level takes the larger of its memory time (unique K/V once) and its compute time
     (tensor-core prefill, or the decode kernel's padded dot), plus a fixed cost; levels
     after the first add a merge; a decode level that runs beside the prefill level above
-    it (:func:`overlaps`) saves ``overlap_gain`` of the shorter of the two. Flat runs the
+    it (:func:`side_stream_runs`: 128-row prefill tiles only, as the runtime does) saves ``overlap_gain`` of the shorter of the two. Flat runs the
     last level's kernel over every key of every level: keys of an upper level are re-read
     once per request, from L2 when the level fits there (``l2_miss_small`` of them still
     miss). ``per_level``, if given, receives each cascade level's predicted seconds.
@@ -107,7 +124,7 @@ def predict_seconds(
     if per_level is not None:
         per_level[:] = times
     cascade = sum(times) + (len(levels) - 1) * (model.merge_seconds + 3 * state_bytes / bw)
-    if overlaps(levels):
+    if side_stream_runs(levels, group_size=num_qo_heads // num_kv_heads, head_dim=head_dim, elem_bytes=elem_bytes):
         cascade -= model.overlap_gain * min(times[-2], times[-1])
 
     flat_bytes = 0.0
