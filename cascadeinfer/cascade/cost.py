@@ -33,7 +33,8 @@ class DeviceModel:
     merge_seconds: float = 4e-6  # fixed cost of merging two levels
     l2_miss_small: float = 0.4  # repeated reads of a level that fits in L2 that still miss
     overlap_gain: float = 0.2  # of the shorter of a prefill level and the decode level under it,
-    # saved by running them on two streams (measured 0.28-0.43 on an H100, benchmarks/NOTES.md)
+    # saved by running them on two streams (measured 0.28-0.43 on an H100 at four shapes; the
+    # v3 fit over 268 shapes prefers 0.2, benchmarks/NOTES.md "Planner v3")
 
     @staticmethod
     def for_device(device: torch.device | None) -> "DeviceModel":
