@@ -130,6 +130,7 @@ def level_shapes(levels: list[HostLevel], page_size: int) -> list[LevelShape]:
             unique_keys=int(keys[q_per_group > 0].sum()),
             query_key_pairs=int((q_per_group * keys).sum()),
             flat_key_reads=int(keys[anc].sum()),
+            num_groups=lv.num_groups,
         ))
     return shapes
 
