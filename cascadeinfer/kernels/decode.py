@@ -13,10 +13,10 @@ schedules of the same math.
 chooses from shapes (the per-request plan's wave tail), and a caller that knows the lengths
 on the host (the cascade planner, an engine's scheduler) passes them to it as well.
 
-The per-request schedule. Stage 1 (``_decode_kernel``) runs one program per (request, kv head, split). The query
-heads that share a kv head are packed into the M dimension of a ``tl.dot`` (padded to 16
-rows and masked), so each K/V tile is read from memory once for the whole group and the
-products run on tensor cores. A split owns a contiguous range of its request's pages,
+The per-request schedule. Stage 1 (``_decode_kernel``) runs one program per (request, kv
+head, split). The query heads that share a kv head are packed into the M dimension of a
+``tl.dot`` (padded to 16 rows and masked), so each K/V tile is read from memory once for
+the whole group and the products run on tensor cores. A split owns a contiguous range of its request's pages,
 ``cdiv(num_pages, num_splits)`` of them, computed inside the kernel from the page table;
 the grid comes from shapes only (``batch * num_kv_heads * num_splits`` programs), so the
 launch never reads the page table on the host and can be captured in a CUDA graph.
@@ -61,8 +61,8 @@ from cascadeinfer._checks import (
     use_triton,
 )
 from cascadeinfer.kernels import decode_balanced as balanced
-from cascadeinfer.kernels.decode_balanced import attend_tile
 from cascadeinfer.kernels import merge as merge_mod
+from cascadeinfer.kernels.decode_balanced import attend_tile
 from cascadeinfer.layouts.paged_cache import PagedKV, PagedKVCache, unpack_paged_kv_cache
 
 LOG2E = 1.4426950408889634  # log2(e): natural-log scores -> base-2 scores
