@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from cascadeinfer.kernels.prefill import groups_tile_config
+
 
 @dataclass(frozen=True, slots=True)
 class DeviceModel:
@@ -65,13 +67,13 @@ def overlaps(levels: list[LevelShape]) -> bool:
 
 
 def side_stream_runs(levels: list[LevelShape], *, group_size: int, head_dim: int, elem_bytes: int) -> bool:
-    """Whether :func:`overlaps` holds and the runtime really takes the side stream: only where
-    the prefill level's tiles are 128 rows (``MultiLevelCascadeAttention.plan``), i.e. its
-    average packed rows per group pick a 128-row :func:`groups_tile_config`."""
+    """Whether :func:`overlaps` holds and the runtime takes the side stream: only where the
+    prefill level's tiles are 128 rows, i.e. its average packed rows per group pick a
+    128-row :func:`groups_tile_config` (fp16 and bf16 pick the same tiles). The planner
+    returns an SM share exactly when this holds, and ``MultiLevelCascadeAttention.plan``
+    overlaps exactly when it has one."""
     if not overlaps(levels):
         return False
-    from cascadeinfer.kernels.prefill import groups_tile_config  # the tiles the launcher picks
-
     pre = levels[-2]
     dtype = torch.float32 if elem_bytes == 4 else torch.bfloat16
     config = groups_tile_config(pre.num_queries, max(1, pre.num_groups), group_size, head_dim, dtype)

@@ -21,7 +21,7 @@ import torch
 from cascadeinfer._checks import FLOAT_DTYPES, check_tensor, default_sm_scale, normalize_device
 from cascadeinfer.cascade.plan import HostLevel, choose_cascade, flat_page_table, host_levels
 from cascadeinfer.kernels.decode import pick_decode_schedule
-from cascadeinfer.kernels.prefill import groups_tile_config, paged_num_splits
+from cascadeinfer.kernels.prefill import paged_num_splits
 from cascadeinfer.ops import split_cache
 from cascadeinfer.layouts.paged_cache import check_kv_layout, unpack_paged_kv_cache
 
@@ -163,18 +163,16 @@ class MultiLevelCascadeAttention:
             self._levels = [_device_level(lv, self.device, o) for lv, o in zip(levels, old)]
             # The decode level runs on a side stream beside the prefill level above it; that
             # level's grid is sized to leave the decode its share of the SMs (from shapes).
-            # Only where the prefill level's programs take a whole SM each (128-row tiles):
-            # then a smaller grid leaves whole SMs free. (With 64-row tiles, two to an SM,
-            # it measured slower on an H100: Hkv 32, (64, 8192, 256) 151 -> 173 us.)
-            if prefix_share is not None and self.device.type == "cuda":
+            # The planner gives a share only where the prefill level's programs take a whole
+            # SM each (128-row tiles, cost.side_stream_runs): then a smaller grid leaves whole
+            # SMs free. (With 64-row tiles, two to an SM, it measured slower on an H100:
+            # Hkv 32, (64, 8192, 256) 151 -> 173 us.)
+            self._overlap = prefix_share is not None and self.device.type == "cuda"
+            if self._overlap:
                 pre = levels[-2]
-                nnz_pre = int(pre.qo_indptr[-1])
-                config = groups_tile_config(nnz_pre, pre.num_groups, num_qo_heads // num_kv_heads, head_dim, dtype)
-                self._overlap = config.block_m >= 128
-                if self._overlap:
-                    self._levels[-2].num_splits = paged_num_splits(
-                        nnz_pre, pre.num_groups, num_qo_heads, num_kv_heads, head_dim, dtype,
-                        pre.kv_indices.numel() * page_size, self.device, sm_share=prefix_share)
+                self._levels[-2].num_splits = paged_num_splits(
+                    int(pre.qo_indptr[-1]), pre.num_groups, num_qo_heads, num_kv_heads, head_dim, dtype,
+                    pre.kv_indices.numel() * page_size, self.device, sm_share=prefix_share)
         else:
             self._flat = _device_level(flat, self.device, self._flat)
         # A decode level's schedule from its lengths, known here on the host: the balanced

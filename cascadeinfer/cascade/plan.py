@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cascadeinfer.cascade.cost import DeviceModel, LevelShape, overlaps, predict_seconds, prefix_sm_fraction
+from cascadeinfer.cascade.cost import DeviceModel, LevelShape, predict_seconds, prefix_sm_fraction, side_stream_runs
 from cascadeinfer.layouts.indptr import validate_indptr
 
 
@@ -166,7 +166,8 @@ def choose_cascade(
     elem_bytes: int, device: torch.device | None,
 ) -> tuple[bool, float, float, float | None]:
     """(is cascade predicted faster?, predicted cascade seconds, predicted flat seconds,
-    the SM share of the prefill level when the decode level runs beside it, else None).
+    the SM share of the prefill level when the decode level runs beside it on a side
+    stream (:func:`~cascadeinfer.cascade.cost.side_stream_runs`), else None).
 
     Whether flat decode is possible at all (:func:`flat_page_table`) is the caller's check.
     """
@@ -176,5 +177,6 @@ def choose_cascade(
         shapes, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
         head_dim=head_dim, elem_bytes=elem_bytes, model=DeviceModel.for_device(device), per_level=times,
     )
-    share = prefix_sm_fraction(times[-2], times[-1]) if overlaps(shapes) else None
+    side = side_stream_runs(shapes, group_size=num_qo_heads // num_kv_heads, head_dim=head_dim, elem_bytes=elem_bytes)
+    share = prefix_sm_fraction(times[-2], times[-1]) if side else None
     return t_cascade < t_flat, t_cascade, t_flat, share
