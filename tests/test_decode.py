@@ -422,14 +422,20 @@ def test_cuda_graph_capture_and_replay_with_new_page_table():
     check_against_reference(q, cache, indptr, idx_buf, last, out, lse)
 
     # New lengths and a new page permutation, written in place; same graph.
+    replay_with_new_lengths(graph, [17, 2100, 0, 5, 999, 64, 1, 1500], q, cache, indptr, idx_buf, last, out, lse)
+
+
+def replay_with_new_lengths(graph, new_lens, q, cache, indptr, idx_buf, last, out, lse, page_size=16):
+    """Rewrite the page table in place for ``new_lens`` (a new random page permutation),
+    draw a new q, poison the outputs, replay the captured ``graph`` and check every row."""
     pool = unpack_paged_kv_cache(cache, "NHD").num_pages
-    new_lens = [17, 2100, 0, 5, 999, 64, 1, 1500]
-    npages = [(n + 15) // 16 for n in new_lens]
-    new_idx = torch.randperm(pool, device=device)[: sum(npages)].int()
+    npages = [(n + page_size - 1) // page_size for n in new_lens]
+    new_idx = torch.randperm(pool, device=q.device)[: sum(npages)].int()
     idx_buf.zero_()
     idx_buf[: new_idx.numel()] = new_idx
     indptr.copy_(torch.tensor([0, *torch.tensor(npages).cumsum(0).tolist()], dtype=torch.int32))
-    last.copy_(torch.tensor([n - (p - 1) * 16 if p else 0 for n, p in zip(new_lens, npages)], dtype=torch.int32))
+    last.copy_(torch.tensor([n - (p - 1) * page_size if p else 0 for n, p in zip(new_lens, npages)],
+                            dtype=torch.int32))
     q.copy_(torch.randn_like(q))
     out.fill_(float("nan"))
     lse.fill_(float("nan"))

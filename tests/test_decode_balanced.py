@@ -11,7 +11,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_decode import check_against_reference, make_case, poisoned, run_and_check, run_config
+from test_decode import (
+    check_against_reference,
+    make_case,
+    poisoned,
+    replay_with_new_lengths,
+    run_and_check,
+    run_config,
+)
 
 from cascadeinfer.cascade import MultiLevelCascadeAttention
 from cascadeinfer.kernels import decode as decode_mod
@@ -24,7 +31,6 @@ from cascadeinfer.kernels.decode import (
     pick_balanced_config,
     pick_decode_schedule,
 )
-from cascadeinfer.layouts.paged_cache import unpack_paged_kv_cache
 
 
 def run_balanced(device, **kwargs):
@@ -312,18 +318,6 @@ def test_cuda_graph_replay_with_new_totals():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         batch_decode_paged(q, cache, indptr, idx_buf, last, **kwargs)
-    pool = unpack_paged_kv_cache(cache, "NHD").num_pages
     for new_lens in (lens, [17, 2100, 0, 5, 999, 64, 1, 1500], [0, 30_000, 3, 0, 0, 1, 16, 40], [0] * 8,
                      [1, 2, 3, 4, 5, 6, 7, 8]):
-        npages = [(n + 15) // 16 for n in new_lens]
-        new_idx = torch.randperm(pool, device=device)[: sum(npages)].int()
-        idx_buf.zero_()
-        idx_buf[: new_idx.numel()] = new_idx
-        indptr.copy_(torch.tensor([0, *torch.tensor(npages).cumsum(0).tolist()], dtype=torch.int32))
-        last.copy_(torch.tensor([n - (p - 1) * 16 if p else 0 for n, p in zip(new_lens, npages)], dtype=torch.int32))
-        q.copy_(torch.randn_like(q))
-        out.fill_(float("nan"))
-        lse.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        check_against_reference(q, cache, indptr, idx_buf, last, out, lse)
+        replay_with_new_lengths(graph, new_lens, q, cache, indptr, idx_buf, last, out, lse)
