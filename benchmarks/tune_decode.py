@@ -60,9 +60,26 @@ GAPS_PLAN = {
     (40, 4096): (1, 2),
     (48, 4096): (1, 2),
 }
+# the suffix levels of cascades: many short requests (the bar shapes have 128-1024)
+SHORT_PLAN = {
+    (256, 128): (1,),
+    (64, 256): (1, 2),
+    (128, 512): (1,),
+    (512, 128): (1,),
+}
+# launch configs tried only by --plan short (smaller tiles: more programs resident per SM,
+# several tiles per short request so the pipeline has something to overlap)
+SHORT_VARIANTS = {
+    "n64_w4_s3": DecodeConfig(block_n=64, num_warps=4, num_stages=3, programs_per_sm=3),
+    "n32_w4_s4": DecodeConfig(block_n=32, num_warps=4, num_stages=4, programs_per_sm=4),
+    "n32_w2_s4": DecodeConfig(block_n=32, num_warps=2, num_stages=4, programs_per_sm=4),
+    "n16_w2_s5": DecodeConfig(block_n=16, num_warps=2, num_stages=5, programs_per_sm=4),
+    "n64_w8_s3": DecodeConfig(block_n=64, num_warps=8, num_stages=3, programs_per_sm=2),
+}
 DRY_PLAN = {(2, 64): (1, 2)}  # --dry-run: CPU through the Triton interpreter, tiny shapes, no timing
 DEV = "cuda"
 DRY = False
+SWEEP_BALANCED = False
 
 
 def graph_seconds(calls, *, replays: int = 10, target_s: float = 3e-3) -> float:
@@ -207,14 +224,23 @@ def time_shape(batch, ctx, splits_list, variants, copy_bw, fi, v0, deadline, row
     plan_splits = decode_mod.decode_num_splits(batch, HKV, dev, programs_per_sm=plan_cfg.programs_per_sm)
     plan_name = next((k for k, v in DECODE_VARIANTS.items() if v == plan_cfg), str(plan_cfg))
     runs = [("default=" + plan_name, None, plan_splits)]
+    if SWEEP_BALANCED:
+        runs.append(("balanced default", "balanced", "-"))
     runs += [(name, cfg, splits) for name, cfg in variants.items() for splits in splits_list]
     for name, cfg, splits in runs:
         if time.time() > deadline:
             return
         try:
-            t = graph_seconds([lambda i=i: run_variant(qs[i], pools[i], indptr, indices, last, outs[i], lses[i], cfg,
-                                                       None if cfg is None else splits)
-                               for i in range(n_rot)])
+            if cfg == "balanced":
+                calls = [lambda i=i: decode_mod._batch_decode_paged(
+                    qs[i], pools[i], indptr, indices, last, kv_layout="NHD", sm_scale=None, num_splits=None,
+                    schedule="balanced", out=outs[i], lse=lses[i], validate=False, config=None)
+                    for i in range(n_rot)]
+            else:
+                calls = [lambda i=i: run_variant(qs[i], pools[i], indptr, indices, last, outs[i], lses[i], cfg,
+                                                 None if cfg is None else splits)
+                         for i in range(n_rot)]
+            t = graph_seconds(calls)
         except Exception as exc:
             print(f"# {name} splits {splits} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
             continue
@@ -233,11 +259,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--budget", type=float, default=240.0, help="seconds after which no new measurement starts")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--plan", choices=("main", "quick", "gaps"), default="main", help="which shapes to sweep")
-    ap.add_argument("--variants", default="", help="comma-separated subset of DECODE_VARIANTS")
+    ap.add_argument("--plan", choices=("main", "quick", "gaps", "short"), default="main",
+                    help="which shapes to sweep (short: also SHORT_VARIANTS and the balanced schedule)")
+    ap.add_argument("--variants", default="", help="comma-separated names from DECODE_VARIANTS and SHORT_VARIANTS")
     ap.add_argument("--dry-run", action="store_true", help="CPU, TRITON_INTERPRET=1, tiny shapes, no timing")
     args = ap.parse_args()
-    global DEV, DRY
+    global DEV, DRY, SWEEP_BALANCED
+    SWEEP_BALANCED = args.plan == "short"
     if args.dry_run:
         DEV, DRY = "cpu", True
     t0 = time.time()
@@ -250,12 +278,16 @@ def main() -> None:
         v0 = importlib.import_module("benchmarks._decode_v0")
     except ImportError:
         v0 = None
-    variants = {k: v for k, v in DECODE_VARIANTS.items() if not args.variants or k in args.variants.split(",")}
+    pool = dict(DECODE_VARIANTS, **SHORT_VARIANTS)
+    if args.variants:
+        variants = {k: v for k, v in pool.items() if k in args.variants.split(",")}
+    else:
+        variants = pool if args.plan == "short" else dict(DECODE_VARIANTS)
     variants = check_correctness(variants)
     copy_bw = copy_bandwidth()
     print(f"# copy bandwidth {copy_bw / 1e9:.0f} GB/s; setup {time.time() - t0:.0f} s", flush=True)
     rows: list[dict] = []
-    plan = DRY_PLAN if DRY else dict(main=PLAN, quick=QUICK_PLAN, gaps=GAPS_PLAN)["quick" if args.quick else args.plan]
+    plan = DRY_PLAN if DRY else dict(main=PLAN, quick=QUICK_PLAN, gaps=GAPS_PLAN, short=SHORT_PLAN)["quick" if args.quick else args.plan]
     for (batch, ctx), splits_list in plan.items():
         if time.time() > deadline:
             print(f"# budget reached before {batch}x{ctx}", flush=True)

@@ -55,14 +55,45 @@ class Variant:
 # Round 1 (H200, see benchmarks/NOTES.md) compared 128x64 s3/s4, 128x128 s2/s3, 64x64 and
 # 64x32 with 4 warps at 2-3 programs per SM, each with and without a lazy rescale: 128x128
 # s3 won everywhere and the lazy rescale lost 5-10%. Round 2 keeps the contenders.
+# Round 3 (session 4, H100): one warpgroup per program, two programs per SM (64-row tiles,
+# 112 KiB each), against two lock-stepped warpgroups of one 128-row program.
 VARIANTS = [
     Variant("v0 default", None, module="v0"),
     Variant("128x128 s3", T(128, 128, 8, 3)),
-    Variant("128x128 s3 sx2", T(128, 128, 8, 3), 2),
     Variant("128x64 s3", T(128, 64, 8, 3)),
+    Variant("128x64 s4", T(128, 64, 8, 4)),
     Variant("64x64 w4 s3 sx2", T(64, 64, 4, 3), 2),
+    Variant("64x64 w4 s2 sx2", T(64, 64, 4, 2), 2),
+    Variant("64x64 w4 s3 sx4", T(64, 64, 4, 3), 4),
 ]
 CONTIG_CFG = T(128, 128, 8, 3)
+
+
+def ablate_exp(mode: str) -> None:
+    """Swap the kernel's softmax step for a timing ablation (wrong results, never checked):
+    ``noexp`` replaces the per-score exp2 (MUFU) by the FMA alone: what the softmax's MUFU
+    work costs. (``ex2.approx.f16x2`` would not halve it: ptxas splits it into two
+    ``MUFU.EX2.F16`` on sm_90a.) Call before any compile."""
+    import triton  # noqa: PLC0415
+    import triton.language as tl  # noqa: PLC0415
+
+    @triton.jit
+    def _step(acc, l_i, m_i, s, v, qk_scale, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        if MASKED:
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_sub = m_new
+        p = s * qk_scale - m_sub[:, None]  # noexp: no exp2
+        alpha = tl.math.exp2(m_i - m_sub)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        return acc, l_i, m_new
+
+    if mode != "noexp":
+        raise ValueError(f"ablate: unknown mode {mode!r}")
+    P._softmax_step = _step
 
 
 def load_v0():
@@ -98,7 +129,7 @@ def sass_report(variants) -> list[dict]:
         cfg = var.cfg
         const = dict(GROUP_SIZE=4, PAGE_SIZE=16, HEAD_DIM=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                      BLOCK_D=128, PAGED=True, CAUSAL=False, ONE_GROUP=False, DOT_PRECISION="tf32",
-                     OFFSETS_32=True, ALIGNED_PAGES=True)  # the default address path at these shapes
+                     OFFSETS_32=True, ALIGNED_PAGES=True, LAUNCH_DEPENDENTS=False)  # the default address path
         sig = {n: "constexpr" if n in const else types[n] for n in fn.arg_names}
         aligned = [n for n in fn.arg_names if n not in const and (n.endswith("_ptr") or n.startswith("stride_"))
                    and n not in ("stride_ls", "stride_lh")]
@@ -353,6 +384,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="two shapes")
     ap.add_argument("--smoke", action="store_true", help="CPU dry run through the interpreter (tiny shapes)")
     ap.add_argument("--rep-ms", type=int, default=120)
+    ap.add_argument("--shapes", nargs="*", help="n,L pairs (default: the six of SHAPES)")
+    ap.add_argument("--ablate", choices=("noexp",),
+                    help="timing only: replace the softmax's exp2 (no correctness check, no general cases)")
     ap.add_argument("--no-general", action="store_true", help="skip the shapes away from the tuned one")
     ap.add_argument("--small-groups", action="store_true",
                     help="only the general cases of few rows per group (no variant sweep)")
@@ -374,11 +408,16 @@ def main() -> None:
     print(f"# {env}", flush=True)
     mods = {"new": P, "v0": load_v0()}
     fi = load_flashinfer()
-    if not args.small_groups:
+    if args.ablate:
+        ablate_exp(args.ablate)
+        mods["v0"], fi, args.no_general = None, None, True
+    elif not args.small_groups:
         check_variants(mods, VARIANTS, torch.device("cuda"))
     mm_rate = measure_matmul_rate()
     print(f"# bf16 matmul {mm_rate / 1e12:.0f} TFLOP/s", flush=True)
     shapes = QUICK_SHAPES if args.quick else SHAPES
+    if args.shapes:
+        shapes = tuple(tuple(int(x) for x in t.split(",")) for t in args.shapes)
     cases = SMALL_GROUP_CASES if args.small_groups else GENERAL_CASES
     general = [] if args.no_general else time_general(mods, fi, mm_rate, args.rep_ms, torch.device("cuda"), cases)
     results = [] if args.small_groups else time_all(mods, VARIANTS, shapes, mm_rate, fi, args.rep_ms)

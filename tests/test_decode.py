@@ -283,6 +283,8 @@ def test_pick_decode_config():
     assert pick(72) == two  # 3 splits at 2 per SM beat 1 split at 1 per SM
     assert pick(133) == pick(198) == pick(199) == pick(396) == three
     assert pick(397) == pick(2048) == two == pick_decode_config(128, torch.float16, 16)
+    # past 1.5 pairs per SM no split, whatever the residency of the config
+    assert decode_num_splits(25, 8, "cpu", programs_per_sm=8) == decode_num_splits(256, 8, "cpu") == 1
     assert pick(8, head_dim=256).block_n <= two.block_n
     assert pick(8, dtype=torch.float32).num_warps == 8
 

@@ -254,11 +254,13 @@ class DecodeConfig:
 # (bf16, D=128, group 4; ptxas -v): n128_w4_s5 235 registers, 137 KiB shared memory ->
 # 1 program per SM, two 64 KiB K+V tiles in flight; n128_w4_s3 235 registers, 73 KiB ->
 # 2 programs per SM (registers), one 64 KiB tile each; n64_w4_s5 144 registers, 70 KiB ->
-# 3 programs per SM, two 32 KiB tiles each. ``programs_per_sm`` is that residency.
+# 3 programs per SM, two 32 KiB tiles each; n16_w2_s5 128 registers, 21 KiB -> 8 programs
+# of 2 warps per SM, two 8 KiB tiles each. ``programs_per_sm`` is that residency.
 DECODE_VARIANTS: dict[str, DecodeConfig] = {
     "n128_w4_s5": DecodeConfig(block_n=128, num_warps=4, num_stages=5, programs_per_sm=1),
     "n128_w4_s3": DecodeConfig(block_n=128, num_warps=4, num_stages=3, programs_per_sm=2),
     "n64_w4_s5": DecodeConfig(block_n=64, num_warps=4, num_stages=5, programs_per_sm=3),
+    "n16_w2_s5": DecodeConfig(block_n=16, num_warps=2, num_stages=5, programs_per_sm=8),
 }
 
 DEFAULT_NUM_SMS = 132  # H100/H200 SXM; used for the split plan of CPU tensors
@@ -285,7 +287,11 @@ def pick_decode_config(head_dim: int, dtype: torch.dtype, page_size: int, *, wor
     n128_w4_s5 program per SM (the splits fill the SMs), unless a 2-per-SM n128_w4_s3 plan
     keeps >= 1.25x the loads in flight (e.g. work 72: 3 splits instead of 1);
     ``SMs < work <= 3 SMs``: n64_w4_s5, 3 per SM, 2 splits up to 1.5 SMs, then none;
-    more: n128_w4_s3, no split (many waves of 2 per SM).
+    more: n128_w4_s3, no split (many waves of 2 per SM). (n16_w2_s5, 8 small programs
+    per SM, is 4-13% faster alone on short requests (H100: 256x128 0.89 of copy against
+    0.79) and equal at 4K, but as the cascade's suffix level beside the prefix it made
+    (64, 8192, 256) slower, 49 -> 55 us, and flat decode over shared prefix pages 317 ->
+    433 us: benchmarks/NOTES.md. It is not picked yet.)
     """
     block_d = max(16, next_power_of_2(head_dim))
     if dtype == torch.float32:
@@ -311,7 +317,8 @@ def decode_num_splits(batch: int, num_kv_heads: int, device: torch.device | str,
 
     A plan from shapes only (no look at sequence lengths, so it is CUDA-graph safe): about
     ``programs_per_sm`` programs on every multiprocessor, i.e.
-    ``floor(num_sms * programs_per_sm / (batch * num_kv_heads))`` clamped to ``[1, 256]``.
+    ``floor(num_sms * programs_per_sm / (batch * num_kv_heads))`` clamped to ``[1, 256]``,
+    and no split once ``batch * num_kv_heads`` exceeds 1.5x the SM count.
     ``programs_per_sm=None`` takes it from the config :func:`pick_decode_config` picks for
     fp16/bf16 with head_dim <= 128 (the plan those inputs get; fp32 and larger head dims
     use 2). The multiprocessor count is read once per device (132 for CPU tensors).
@@ -320,9 +327,14 @@ def decode_num_splits(batch: int, num_kv_heads: int, device: torch.device | str,
         raise ValueError(f"batch, num_kv_heads: expected >= 0 and >= 1, got {batch}, {num_kv_heads}")
     dev = torch.device(device)
     work = max(1, batch * num_kv_heads)
+    num_sms = _num_sms(dev)
+    if 2 * work > 3 * num_sms:
+        # Past 1.5 pairs per SM a split only adds a merge (what the configs' residencies
+        # gave already; n16_w2_s5, 8 per SM, lost 1-12% at 2 splits on 64x4K and 64x256).
+        return 1
     if programs_per_sm is None:
-        programs_per_sm = pick_decode_config(128, torch.bfloat16, 16, work=work, num_sms=_num_sms(dev)).programs_per_sm
-    return max(1, min(MAX_SPLITS, _num_sms(dev) * programs_per_sm // work))
+        programs_per_sm = pick_decode_config(128, torch.bfloat16, 16, work=work, num_sms=num_sms).programs_per_sm
+    return max(1, min(MAX_SPLITS, num_sms * programs_per_sm // work))
 
 
 # The balanced schedule's variants (sm_90a builds of its kernel, bf16, D=128, group 4:
