@@ -6,10 +6,12 @@ The prefix level (128x128 tiles, one program per SM) is compute-bound, the suffi
 bandwidth-bound. One after the other their times add. Here the prefix is launched with
 fewer KV splits than fill the GPU (so some SMs stay free), and the decode on a second
 stream fills the rest; with 128-row prefix tiles (one program per SM) or 64-row ones (two
-per SM). Each level alone is timed too. (Session 3 also timed the decode first with a
-limited grid and the prefix on the remaining SMs: it lost everywhere.) Every two-stream
-variant is checked against the serial cascade on rotation 0 and timed in one CUDA graph
-over rotated pools.
+per SM). Each level alone is timed too, and the balanced decode alone on one-wave grids
+of 16 / 36 / 68 SMs (what a decode beside the prefix can draw). Session 3 also timed the
+decode first with a limited grid and the prefix on the remaining SMs (lost everywhere);
+session 4 a one-stream co-launch (commit a97b9ce; NOTES.md). Every two-stream variant is
+checked against the serial cascade on rotation 0 and timed in one CUDA graph over
+rotated pools.
 """
 
 from __future__ import annotations
@@ -23,13 +25,12 @@ from benchmarks._common import bench_rotating, environment, markdown_table, meas
 from benchmarks.bench_cascade import BAR_SHAPES, DTYPE, MIN_POOL_BYTES, PAGE, Shape, Workload
 from cascadeinfer.cascade.multi_level import MultiLevelCascadeAttention
 from cascadeinfer.kernels import prefill as P
-from cascadeinfer.kernels import decode_balanced as B
-from cascadeinfer.kernels.decode import BALANCED_VARIANTS, batch_decode_paged
-from cascadeinfer.kernels.merge import merge_state, merge_states
+from cascadeinfer.kernels.decode import BALANCED_VARIANTS, _batch_decode_paged, batch_decode_paged
+from cascadeinfer.kernels.merge import merge_state
 from cascadeinfer.layouts.paged_cache import unpack_paged_kv_cache
 
 
-def two_streams(wl: Workload, prefix_splits: int, decode_splits: int | None, decode_first: bool,
+def two_streams(wl: Workload, prefix_splits: int, decode_splits: int | None,
                 config: P.TileConfig | None = None, parts: str = "both"):
     """Closures over each rotation: prefix (main stream) and suffix decode (side stream), merged.
     ``config`` forces the prefix tiles; ``parts`` = "prefix" / "suffix" times one level alone."""
@@ -58,13 +59,10 @@ def two_streams(wl: Workload, prefix_splits: int, decode_splits: int | None, dec
                 return None
             main = torch.cuda.current_stream()
             side.wait_stream(main)
-            if not decode_first:
-                prefix()
+            prefix()
             with torch.cuda.stream(side):
                 batch_decode_paged(q, pool, kp[1], ki[1], kl[1], num_splits=decode_splits, out=o_s, lse=l_s,
                                    validate=False)
-            if decode_first:
-                prefix()
             main.wait_stream(side)
             merge_state(o_p, l_p, o_s, l_s, out=out, out_lse=lse)
             return out, lse
@@ -73,42 +71,14 @@ def two_streams(wl: Workload, prefix_splits: int, decode_splits: int | None, dec
     return [call(i) for i in range(wl.rot)]
 
 
-def colaunch(wl: Workload, prefix_splits: int, programs: int, dcfg, parts: str = "both"):
-    """One stream, ordered by programmatic dependent launch: the prefix kernel (its grid
-    leaving SMs free) lets the balanced decode start once all its programs run; the decode,
-    a one-wave grid of ``programs`` per kv head on the free SMs, waits for the prefix at its
-    end; then one merge of the prefix's splits and the suffix state. ``parts="suffix"``:
-    the decode alone on the same grid (its bandwidth on that many SMs)."""
-    qo, kp, ki, kl = wl.tables()
-    s = wl.shape
-    cfg = P.groups_tile_config(s.batch, 1, s.hq // s.hkv, s.head_dim, DTYPE)
-    nsl = prefix_splits + 1
-    bufs = [(torch.empty(s.batch, nsl, s.hq, s.head_dim, dtype=DTYPE, device=q.device),
-             torch.empty(s.batch, nsl, s.hq, device=q.device), torch.empty_like(q),
-             torch.empty(q.shape[:2], device=q.device)) for q in wl.qs]
-    scale = s.head_dim ** -0.5
-
-    def call(i):
-        q, pool = wl.qs[i], wl.pools[i]
-        po, pl, out, lse = bufs[i]
-        kv = unpack_paged_kv_cache(pool, "NHD")
-        source = P._paged_source(kv, kp[0], ki[0], kl[0])
-
-        def run():
-            if parts == "both":
-                P._launch(q, qo[0], source, po[:, :prefix_splits], pl[:, :prefix_splits], causal=False,
-                          sm_scale=scale, config=cfg, launch_dependents=True)
-            B.launch_balanced(q, kv, kp[1], ki[1], kl[1], po[:, prefix_splits], pl[:, prefix_splits],
-                              qk_scale=scale * P.LOG2E, programs=programs, min_pages=1, block_n=dcfg.block_n,
-                              num_warps=dcfg.num_warps, num_stages=dcfg.num_stages, pdl=False,
-                              after_primary=parts == "both")
-            if parts != "both":
-                return None
-            merge_states(po, pl, out=out, out_lse=lse)
-            return out, lse
-        return run
-
-    return [call(i) for i in range(wl.rot)]
+def decode_on_few_sms(wl: Workload, programs: int, dcfg):
+    """The balanced suffix decode alone on a one-wave grid of ``programs`` per kv head: its
+    bandwidth on the SMs a prefix grid would leave free."""
+    _, kp, ki, kl = wl.tables()
+    outs = [(torch.empty_like(q), torch.empty(q.shape[:2], device=q.device)) for q in wl.qs]
+    return [lambda i=i: _batch_decode_paged(
+        wl.qs[i], wl.pools[i], kp[1], ki[1], kl[1], kv_layout="NHD", sm_scale=None, num_splits=programs,
+        schedule="balanced", out=outs[i][0], lse=outs[i][1], validate=False, config=dcfg) for i in range(wl.rot)]
 
 
 def main() -> None:
@@ -139,8 +109,8 @@ def main() -> None:
         pairs = P.num_m_tiles(s.batch, 1, s.hq // s.hkv, cfg.block_m) * s.hkv
         full = max(1, sms // pairs)
         variants = {}
-        levels = {f"alone: prefix s{full}": (full, None, False, None, "prefix"),
-                  "alone: suffix decode": (full, None, False, None, "suffix")}
+        levels = {f"alone: prefix s{full}": (full, None, None, "prefix"),
+                  "alone: suffix decode": (full, None, None, "suffix")}
         for name, spec in levels.items():
             calls = two_streams(wl, *spec)
             row[name] = bench_rotating(calls, rep_ms=args.rep_ms) * 1e6
@@ -148,24 +118,15 @@ def main() -> None:
         for sms_used in (16, 36, 68):
             for dname, dcfg, per_sm in (("s5", s5, 1), ("s3", s3, 2), ("s3x3", s3, 3)):
                 k = max(1, sms_used * per_sm // s.hkv)
-                calls = colaunch(wl, 1, k, dcfg, parts="suffix")
+                calls = decode_on_few_sms(wl, k, dcfg)
                 row[f"alone: balanced {dname} {k * s.hkv} progs ({sms_used} SMs)"] = bench_rotating(
                     calls, rep_ms=args.rep_ms) * 1e6
-        for splits in sorted({max(1, full - k) for k in range(0, 3)} | {max(1, full * 3 // 4)}):
-            free = max(4, sms - pairs * splits) if cfg.block_m >= 128 else max(4, sms - pairs * splits // 2)
-            for dname, dcfg, per_sm in (("s5", s5, 1), ("s3", s3, 2), ("s3x3", s3, 3)):
-                k = max(1, free * per_sm // s.hkv)
-                variants[f"colaunch: prefix s{splits} ({pairs * splits}) + balanced {dname} {k * s.hkv}"] = (
-                    "colaunch", splits, k, dcfg)
         for splits in sorted({max(1, full - k) for k in range(0, 4)} | {max(1, full * 3 // 4)}):
-            variants[f"prefix s{splits} ({pairs * splits} progs) then decode"] = (splits, None, False, None, "both")
+            variants[f"prefix s{splits} ({pairs * splits} progs) then decode"] = (splits, None, None, "both")
         best = ("serial", serial)
         for name, spec in variants.items():
             try:
-                if spec[0] == "colaunch":
-                    calls = colaunch(wl, *spec[1:])
-                else:
-                    calls = two_streams(wl, *spec)
+                calls = two_streams(wl, *spec)
                 o, lse = calls[0]()
                 torch.cuda.synchronize()
                 err = (o.float() - o_ref.float()).abs().max().item()

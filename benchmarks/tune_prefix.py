@@ -129,7 +129,7 @@ def sass_report(variants) -> list[dict]:
         cfg = var.cfg
         const = dict(GROUP_SIZE=4, PAGE_SIZE=16, HEAD_DIM=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                      BLOCK_D=128, PAGED=True, CAUSAL=False, ONE_GROUP=False, DOT_PRECISION="tf32",
-                     OFFSETS_32=True, ALIGNED_PAGES=True, LAUNCH_DEPENDENTS=False)  # the default address path
+                     OFFSETS_32=True, ALIGNED_PAGES=True)  # the default address path at these shapes
         sig = {n: "constexpr" if n in const else types[n] for n in fn.arg_names}
         aligned = [n for n in fn.arg_names if n not in const and (n.endswith("_ptr") or n.startswith("stride_"))
                    and n not in ("stride_ls", "stride_lh")]

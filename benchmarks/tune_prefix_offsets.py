@@ -199,7 +199,7 @@ def sass_report(config: P.TileConfig | None = None) -> list[dict]:
     for name, address in PATHS.items():
         const = dict(GROUP_SIZE=HQ // HKV, PAGE_SIZE=PAGE, HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                      BLOCK_D=D, PAGED=True, CAUSAL=False, ONE_GROUP=False, DOT_PRECISION="tf32",
-                     OFFSETS_32=address.offsets_32, ALIGNED_PAGES=address.aligned_pages, LAUNCH_DEPENDENTS=False)
+                     OFFSETS_32=address.offsets_32, ALIGNED_PAGES=address.aligned_pages)
         sig = {a: "constexpr" if a in const else types[a] for a in fn.arg_names}
         aligned = [a for a in fn.arg_names if a not in const and (a.endswith("_ptr") or a.startswith("stride_"))
                    and a not in ("stride_ls", "stride_lh")]
