@@ -79,7 +79,6 @@ SHORT_VARIANTS = {
 DRY_PLAN = {(2, 64): (1, 2)}  # --dry-run: CPU through the Triton interpreter, tiny shapes, no timing
 DEV = "cuda"
 DRY = False
-SWEEP_BALANCED = False
 
 
 def graph_seconds(calls, *, replays: int = 10, target_s: float = 3e-3) -> float:
@@ -183,7 +182,9 @@ def check_correctness(variants: dict[str, DecodeConfig]) -> dict[str, DecodeConf
     return passed
 
 
-def time_shape(batch, ctx, splits_list, variants, copy_bw, fi, v0, deadline, rows) -> None:
+def time_shape(batch, ctx, splits_list, variants, copy_bw, fi, v0, deadline, rows, balanced=False) -> None:
+    """Time FlashInfer, the HEAD code, the default plan, the balanced schedule's default
+    (``balanced``) and every (variant, splits) at one shape; rows go to ``rows``."""
     dev = torch.device(DEV)
     kvb = kv_bytes(batch, ctx)
     n_rot = 1 if kvb > 3 * L2_BYTES else max(2, min(16, math.ceil(3 * L2_BYTES / kvb)))
@@ -224,7 +225,7 @@ def time_shape(batch, ctx, splits_list, variants, copy_bw, fi, v0, deadline, row
     plan_splits = decode_mod.decode_num_splits(batch, HKV, dev, programs_per_sm=plan_cfg.programs_per_sm)
     plan_name = next((k for k, v in DECODE_VARIANTS.items() if v == plan_cfg), str(plan_cfg))
     runs = [("default=" + plan_name, None, plan_splits)]
-    if SWEEP_BALANCED:
+    if balanced:
         runs.append(("balanced default", "balanced", "-"))
     runs += [(name, cfg, splits) for name, cfg in variants.items() for splits in splits_list]
     for name, cfg, splits in runs:
@@ -264,9 +265,9 @@ def main() -> None:
     ap.add_argument("--variants", default="", help="comma-separated names from DECODE_VARIANTS and SHORT_VARIANTS")
     ap.add_argument("--dry-run", action="store_true", help="CPU, TRITON_INTERPRET=1, tiny shapes, no timing")
     args = ap.parse_args()
-    global DEV, DRY, SWEEP_BALANCED
-    SWEEP_BALANCED = args.plan == "short"
+    global DEV, DRY
     if args.dry_run:
+        from tests.conftest import _patch_interpreter  # noqa: F401,PLC0415  (conftest patches on import)
         DEV, DRY = "cpu", True
     t0 = time.time()
     deadline = t0 + args.budget
@@ -292,7 +293,7 @@ def main() -> None:
         if time.time() > deadline:
             print(f"# budget reached before {batch}x{ctx}", flush=True)
             break
-        time_shape(batch, ctx, splits_list, variants, copy_bw, fi, v0, deadline, rows)
+        time_shape(batch, ctx, splits_list, variants, copy_bw, fi, v0, deadline, rows, balanced=args.plan == "short")
         write_json("tune_decode.json", dict(env=env, copy_Bps=copy_bw, rows=rows, partial=True))
     write_json("tune_decode.json", dict(env=env, copy_Bps=copy_bw, variants={k: str(v) for k, v in variants.items()},
                                         rows=rows))

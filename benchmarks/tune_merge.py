@@ -85,6 +85,7 @@ def main() -> None:
     args = ap.parse_args()
     global N, H, DEV
     if args.dry_run:
+        from tests.conftest import _patch_interpreter  # noqa: F401,PLC0415  (conftest patches on import)
         N, H, DEV = 3, 4, "cpu"
         tune_decode.DEV, tune_decode.DRY = "cpu", True
     t0 = time.time()

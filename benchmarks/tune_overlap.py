@@ -30,10 +30,9 @@ from cascadeinfer.kernels.merge import merge_state
 from cascadeinfer.layouts.paged_cache import unpack_paged_kv_cache
 
 
-def two_streams(wl: Workload, prefix_splits: int, decode_splits: int | None,
-                config: P.TileConfig | None = None, parts: str = "both"):
-    """Closures over each rotation: prefix (main stream) and suffix decode (side stream), merged.
-    ``config`` forces the prefix tiles; ``parts`` = "prefix" / "suffix" times one level alone."""
+def two_streams(wl: Workload, prefix_splits: int, parts: str = "both"):
+    """Closures over each rotation: prefix (main stream) and suffix decode (side stream), merged;
+    ``parts`` = "prefix" / "suffix" times one level alone."""
     qo, kp, ki, kl = wl.tables()
     side = torch.cuda.Stream()
     bufs = [(torch.empty_like(q), torch.empty(q.shape[:2], device=q.device), torch.empty_like(q),
@@ -47,22 +46,23 @@ def two_streams(wl: Workload, prefix_splits: int, decode_splits: int | None,
 
         def prefix():
             P._run(q, qo[0], source, o_p, l_p, causal=False, sm_scale=wl.shape.head_dim ** -0.5,
-                   num_splits=prefix_splits, config=config)
+                   num_splits=prefix_splits)
+
+        def suffix():
+            batch_decode_paged(q, pool, kp[1], ki[1], kl[1], out=o_s, lse=l_s, validate=False)
 
         def run():
-            if parts != "both":
-                if parts == "prefix":
-                    prefix()
-                else:
-                    batch_decode_paged(q, pool, kp[1], ki[1], kl[1], num_splits=decode_splits, out=o_s, lse=l_s,
-                                       validate=False)
+            if parts == "prefix":
+                prefix()
+                return None
+            if parts == "suffix":
+                suffix()
                 return None
             main = torch.cuda.current_stream()
             side.wait_stream(main)
             prefix()
             with torch.cuda.stream(side):
-                batch_decode_paged(q, pool, kp[1], ki[1], kl[1], num_splits=decode_splits, out=o_s, lse=l_s,
-                                   validate=False)
+                suffix()
             main.wait_stream(side)
             merge_state(o_p, l_p, o_s, l_s, out=out, out_lse=lse)
             return out, lse
@@ -109,8 +109,7 @@ def main() -> None:
         pairs = P.num_m_tiles(s.batch, 1, s.hq // s.hkv, cfg.block_m) * s.hkv
         full = max(1, sms // pairs)
         variants = {}
-        levels = {f"alone: prefix s{full}": (full, None, None, "prefix"),
-                  "alone: suffix decode": (full, None, None, "suffix")}
+        levels = {f"alone: prefix s{full}": (full, "prefix"), "alone: suffix decode": (full, "suffix")}
         for name, spec in levels.items():
             calls = two_streams(wl, *spec)
             row[name] = bench_rotating(calls, rep_ms=args.rep_ms) * 1e6
@@ -122,7 +121,7 @@ def main() -> None:
                 row[f"alone: balanced {dname} {k * s.hkv} progs ({sms_used} SMs)"] = bench_rotating(
                     calls, rep_ms=args.rep_ms) * 1e6
         for splits in sorted({max(1, full - k) for k in range(0, 4)} | {max(1, full * 3 // 4)}):
-            variants[f"prefix s{splits} ({pairs * splits} progs) then decode"] = (splits, None, None, "both")
+            variants[f"prefix s{splits} ({pairs * splits} progs) then decode"] = (splits, "both")
         best = ("serial", serial)
         for name, spec in variants.items():
             try:
