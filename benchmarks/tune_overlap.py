@@ -1,7 +1,6 @@
 """Can the suffix decode run beside the shared-prefix level on SMs the prefix leaves free?
 
     python -m benchmarks.tune_overlap                 # the four issue shapes
-    python -m benchmarks.tune_overlap --plan streamk  # stream-K prefix grids of any size
 
 The prefix level (128x128 tiles, one program per SM) is compute-bound, the suffix decode
 bandwidth-bound. One after the other their times add. Here the prefix is launched with
@@ -25,18 +24,15 @@ import torch
 from benchmarks._common import bench_rotating, environment, markdown_table, measure_ceilings, roofline_floor, write_json
 from benchmarks.bench_cascade import BAR_SHAPES, DTYPE, MIN_POOL_BYTES, PAGE, Shape, Workload
 from cascadeinfer.cascade.multi_level import MultiLevelCascadeAttention
-from cascadeinfer.kernels import decode_balanced as B
 from cascadeinfer.kernels import prefill as P
 from cascadeinfer.kernels.decode import BALANCED_VARIANTS, _batch_decode_paged, batch_decode_paged
-from cascadeinfer.kernels.merge import merge_state, merge_states
+from cascadeinfer.kernels.merge import merge_state
 from cascadeinfer.layouts.paged_cache import unpack_paged_kv_cache
 
 
-def two_streams(wl: Workload, prefix_splits: int | None, parts: str = "both", tile_programs: int | None = None,
-                address: P.AddressPath | None = None):
+def two_streams(wl: Workload, prefix_splits: int, parts: str = "both"):
     """Closures over each rotation: prefix (main stream) and suffix decode (side stream), merged;
-    ``parts`` = "prefix" / "suffix" times one level alone; ``tile_programs``: the prefix on
-    the stream-K grid (that many programs per M tile) instead of ``prefix_splits``."""
+    ``parts`` = "prefix" / "suffix" times one level alone."""
     qo, kp, ki, kl = wl.tables()
     side = torch.cuda.Stream()
     bufs = [(torch.empty_like(q), torch.empty(q.shape[:2], device=q.device), torch.empty_like(q),
@@ -50,7 +46,7 @@ def two_streams(wl: Workload, prefix_splits: int | None, parts: str = "both", ti
 
         def prefix():
             P._run(q, qo[0], source, o_p, l_p, causal=False, sm_scale=wl.shape.head_dim ** -0.5,
-                   num_splits=prefix_splits, tile_programs=tile_programs, address=address)
+                   num_splits=prefix_splits)
 
         def suffix():
             batch_decode_paged(q, pool, kp[1], ki[1], kl[1], out=o_s, lse=l_s, validate=False)
@@ -75,60 +71,6 @@ def two_streams(wl: Workload, prefix_splits: int | None, parts: str = "both", ti
     return [call(i) for i in range(wl.rot)]
 
 
-def colaunch(wl: Workload, tile_programs: int, programs: int, dcfg, address: P.AddressPath | None = None):
-    """One stream, ordered by programmatic dependent launch: the stream-K prefix (its grid
-    leaving SMs free) lets the balanced decode start once all its programs run; the decode,
-    a one-wave grid of ``programs`` per kv head on the free SMs, writes its state into the
-    slot after the prefix's and waits for the prefix at its end; then one merge of all slots."""
-    qo, kp, ki, kl = wl.tables()
-    s = wl.shape
-    cfg = P.groups_tile_config(s.batch, 1, s.hq // s.hkv, s.head_dim, DTYPE)
-    nsl = P.stream_k_slots(tile_programs, s.hkv)
-    bufs = [(torch.empty(s.batch, nsl + 1, s.hq, s.head_dim, dtype=DTYPE, device=q.device),
-             torch.empty(s.batch, nsl + 1, s.hq, device=q.device), torch.empty_like(q),
-             torch.empty(q.shape[:2], device=q.device)) for q in wl.qs]
-    scale = s.head_dim ** -0.5
-
-    def call(i):
-        q, pool = wl.qs[i], wl.pools[i]
-        po, pl, out, lse = bufs[i]
-        kv = unpack_paged_kv_cache(pool, "NHD")
-        source = P._paged_source(kv, kp[0], ki[0], kl[0])
-
-        def run():
-            P._launch(q, qo[0], source, po[:, :nsl], pl[:, :nsl], causal=False, sm_scale=scale, config=cfg,
-                      tile_programs=tile_programs, launch_dependents=True, address=address)
-            B.launch_balanced(q, kv, kp[1], ki[1], kl[1], po[:, nsl], pl[:, nsl], qk_scale=scale * P.LOG2E,
-                              programs=programs, min_pages=1, block_n=dcfg.block_n, num_warps=dcfg.num_warps,
-                              num_stages=dcfg.num_stages, pdl=False, after_primary=True)
-            merge_states(po, pl, out=out, out_lse=lse)
-            return out, lse
-        return run
-
-    return [call(i) for i in range(wl.rot)]
-
-
-def streamk_variants(s: Shape, sms: int) -> tuple[dict, dict]:
-    """(levels-alone, together) variants of the stream-K plan: programs per M tile swept
-    around the shares that leave the decode 0-40 SMs."""
-    cfg = P.default_tile_config(s.head_dim, DTYPE, s.batch * s.hq // s.hkv)
-    tiles = P.num_m_tiles(s.batch, 1, s.hq // s.hkv, cfg.block_m)
-    per_sm = 1 if cfg.block_m >= 128 else 2
-    alone, together = {}, {}
-    full = sms * per_sm // tiles
-    i32 = P.AddressPath(offsets_32=True, aligned_pages=True)  # the schedule that survives stream-K (NOTES)
-    for g in sorted({full, full * 27 // 33, full * 30 // 33}):
-        alone[f"alone: prefix stream-K {g}x{tiles} ({g * tiles} progs) int32"] = ("two", None, "prefix", g, i32)
-    for free in (16, 20, 24, 28, 32, 36):
-        g = (sms - free) * per_sm // tiles
-        together[f"stream-K {g}x{tiles} ({g * tiles} progs) int32 then decode"] = ("two", None, "both", g, i32)
-        if per_sm == 1:
-            k = max(1, (sms - g * tiles) * 3 // s.hkv)
-            together[f"colaunch: stream-K {g}x{tiles} ({g * tiles}) int32 + balanced s3x3 {k * s.hkv}"] = (
-                "colaunch", g, k, BALANCED_VARIANTS["n128_w4_s3x2"], i32)
-    return alone, together
-
-
 def decode_on_few_sms(wl: Workload, programs: int, dcfg):
     """The balanced suffix decode alone on a one-wave grid of ``programs`` per kv head: its
     bandwidth on the SMs a prefix grid would leave free."""
@@ -143,8 +85,6 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="*", help="batch,prefix,suffix triples (default: the issue's four)")
     ap.add_argument("--rep-ms", type=int, default=60)
-    ap.add_argument("--plan", choices=("splits", "streamk"), default="splits",
-                    help="splits: split-count grids, levels alone, decode on few SMs; streamk: stream-K grids")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("tune_overlap needs a CUDA device")
@@ -169,27 +109,23 @@ def main() -> None:
         pairs = P.num_m_tiles(s.batch, 1, s.hq // s.hkv, cfg.block_m) * s.hkv
         full = max(1, sms // pairs)
         variants = {}
-        levels = {f"alone: prefix s{full}": ("two", full, "prefix"), "alone: suffix decode": ("two", full, "suffix")}
-        if args.plan == "streamk":
-            alone, variants = streamk_variants(s, sms)
-            levels.update(alone)
+        levels = {f"alone: prefix s{full}": (full, "prefix"), "alone: suffix decode": (full, "suffix")}
         for name, spec in levels.items():
-            calls = two_streams(wl, *spec[1:])
+            calls = two_streams(wl, *spec)
             row[name] = bench_rotating(calls, rep_ms=args.rep_ms) * 1e6
-        if args.plan == "splits":
-            s5, s3 = BALANCED_VARIANTS["n128_w4_s5"], BALANCED_VARIANTS["n128_w4_s3x2"]
-            for sms_used in (16, 36, 68):
-                for dname, dcfg, per_sm in (("s5", s5, 1), ("s3", s3, 2), ("s3x3", s3, 3)):
-                    k = max(1, sms_used * per_sm // s.hkv)
-                    calls = decode_on_few_sms(wl, k, dcfg)
-                    row[f"alone: balanced {dname} {k * s.hkv} progs ({sms_used} SMs)"] = bench_rotating(
-                        calls, rep_ms=args.rep_ms) * 1e6
+        s5, s3 = BALANCED_VARIANTS["n128_w4_s5"], BALANCED_VARIANTS["n128_w4_s3x2"]
+        for sms_used in (16, 36, 68):
+            for dname, dcfg, per_sm in (("s5", s5, 1), ("s3", s3, 2), ("s3x3", s3, 3)):
+                k = max(1, sms_used * per_sm // s.hkv)
+                calls = decode_on_few_sms(wl, k, dcfg)
+                row[f"alone: balanced {dname} {k * s.hkv} progs ({sms_used} SMs)"] = bench_rotating(
+                    calls, rep_ms=args.rep_ms) * 1e6
         for splits in sorted({max(1, full - k) for k in range(0, 4)} | {max(1, full * 3 // 4)}):
-            variants[f"prefix s{splits} ({pairs * splits} progs) then decode"] = ("two", splits, "both")
+            variants[f"prefix s{splits} ({pairs * splits} progs) then decode"] = (splits, "both")
         best = ("serial", serial)
         for name, spec in variants.items():
             try:
-                calls = (two_streams if spec[0] == "two" else colaunch)(wl, *spec[1:])
+                calls = two_streams(wl, *spec)
                 o, lse = calls[0]()
                 torch.cuda.synchronize()
                 err = (o.float() - o_ref.float()).abs().max().item()
@@ -210,7 +146,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     for r in rows:
         print(markdown_table([dict(variant=k, us=v) for k, v in r.items()], ["variant", "us"]))
-    write_json(f"tune_overlap_{args.plan}.json", dict(env=environment(), copy_bw=copy_bw, mm_rate=mm_rate, rows=rows))
+    write_json("tune_overlap.json", dict(env=environment(), copy_bw=copy_bw, mm_rate=mm_rate, rows=rows))
 
 
 if __name__ == "__main__":

@@ -123,15 +123,13 @@ def sass_report(variants) -> list[dict]:
                  kv_indices_ptr="*i32", kv_last_page_len_ptr="*i32")
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     rows = []
-    builds = [(var, False) for var in variants] + [(var, True) for var in variants if var.cfg == CONTIG_CFG]
-    for var, stream_k in builds:
+    for var in variants:
         if var.module != "new" or var.cfg is None:
             continue
         cfg = var.cfg
         const = dict(GROUP_SIZE=4, PAGE_SIZE=16, HEAD_DIM=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                     BLOCK_D=128, PAGED=True, CAUSAL=False, ONE_GROUP=False, STREAM_K=stream_k,
-                     DOT_PRECISION="tf32", OFFSETS_32=False, ALIGNED_PAGES=True,  # the default address path
-                     LAUNCH_DEPENDENTS=False)
+                     BLOCK_D=128, PAGED=True, CAUSAL=False, ONE_GROUP=False, DOT_PRECISION="tf32",
+                     OFFSETS_32=True, ALIGNED_PAGES=True)  # the default address path at these shapes
         sig = {n: "constexpr" if n in const else types[n] for n in fn.arg_names}
         aligned = [n for n in fn.arg_names if n not in const and (n.endswith("_ptr") or n.startswith("stride_"))
                    and n not in ("stride_ls", "stride_lh")]
@@ -147,7 +145,7 @@ def sass_report(variants) -> list[dict]:
         os.remove(path)
         loops = ptx.split("Inner Loop Header")[1:]
         rows.append(dict(
-            variant=var.name + (" stream-K" if stream_k else ""),
+            variant=var.name,
             regs=int(re.search(r"Used (\d+) registers", info).group(1)),
             spill=int(re.search(r"(\d+) bytes spill stores", info).group(1)),
             smem=k.metadata.shared,

@@ -80,8 +80,8 @@ def check_state(o, lse, ref_o, ref_lse, dtype):
 
 
 def run_paged(device, *, qo_lens, kv_lens, num_kv_heads, group, head_dim, dtype, page_size, layout="NHD",
-              form="single", causal=False, seed=0, num_splits=None, config=None, q_view=None, tile_programs=None):
-    """Run batch_prefill_paged (or its split path when num_splits/config/tile_programs are forced) and check it."""
+              form="single", causal=False, seed=0, num_splits=None, config=None, q_view=None):
+    """Run batch_prefill_paged (or its split path when num_splits/config are forced) and check it."""
     gen = torch.Generator().manual_seed(seed)
     cache, table = make_paged(device, kv_lens=kv_lens, page_size=page_size, num_kv_heads=num_kv_heads,
                               head_dim=head_dim, dtype=dtype, layout=layout, form=form, gen=gen)
@@ -90,13 +90,13 @@ def run_paged(device, *, qo_lens, kv_lens, num_kv_heads, group, head_dim, dtype,
     q = _randn(shape, dtype, device, gen) if q_view is None else q_view(shape, dtype, device, gen)
     out, lse = poisoned(q)
     args = (q, qo_indptr, cache, table.kv_indptr, table.kv_indices, table.kv_last_page_len)
-    if num_splits is None and config is None and tile_programs is None:
+    if num_splits is None and config is None:
         o, s = batch_prefill_paged(*args, causal=causal, kv_layout=layout, out=out, lse=lse)
         assert o is out and s is lse
     else:
         source = P._paged_source(unpack_paged_kv_cache(cache, layout), *args[3:])
         P._run(q, qo_indptr, source, out, lse, causal=causal, sm_scale=head_dim ** -0.5, num_splits=num_splits,
-               config=config, tile_programs=tile_programs)
+               config=config)
     ref = P.batch_prefill_paged_ref(*args, causal=causal, kv_layout=layout)
     check_state(out, lse, *ref, dtype)
 
@@ -158,59 +158,6 @@ def test_split_partials_merge_to_reference(device, num_splits):
     check_state(o.to(dtype), s.float(), *ref, dtype)
     if num_splits == 5:  # group 1 has 9 keys: one 16-key chunk, splits 1..4 are empty
         assert (part_lse[5:, 1:] == -math.inf).all() and (part_o[5:, 1:] == 0).all()
-
-
-@pytest.mark.parametrize("tile_programs", [1, 2, 3, 5, 6, 7, 13])
-def test_stream_k_matches_reference(device, tile_programs):
-    """The stream-K grid: ``tile_programs`` programs per M tile deal the (KV head, key tile)
-    columns of its group in equal runs that cross heads. Groups of 0-7 columns per head
-    (3 heads, 16-key tiles) give runs longer than a head, shorter, and empty ones (fewer
-    columns than programs); every state is merged back to the reference."""
-    run_paged(device, qo_lens=[3, 0, 2, 4, 1], kv_lens=[50, 9, 0, 100, 16], num_kv_heads=3, group=2,
-              head_dim=64, dtype=torch.float16, page_size=16, config=SMALL, tile_programs=tile_programs,
-              seed=tile_programs)
-
-
-@pytest.mark.parametrize("tile_programs,hkv", [(5, 2), (8, 4), (3, 4)])
-def test_stream_k_slots_all_written(device, tile_programs, hkv):
-    """Every slot of the stream-K grid is written, the unused ones as exactly (0, -inf), and
-    the slots merge to the reference (empty group, 1 key, a last page exactly full, causal)."""
-    gen = torch.Generator().manual_seed(tile_programs)
-    group, d, dtype = 2, 64, torch.bfloat16
-    kv_lens = [70, 1, 0, 32]
-    cache, table = make_paged(device, kv_lens=kv_lens, page_size=16, num_kv_heads=hkv, head_dim=d, dtype=dtype,
-                              gen=gen)
-    qo_indptr = indptr_from_lengths([5, 1, 2, 3], device=device)
-    q = _randn((11, hkv * group, d), dtype, device, gen)
-    source = P._paged_source(unpack_paged_kv_cache(cache, "NHD"), table.kv_indptr, table.kv_indices,
-                             table.kv_last_page_len)
-    slots = P.stream_k_slots(tile_programs, hkv)
-    part_o = torch.full((11, slots, hkv * group, d), math.nan, dtype=dtype, device=device)
-    part_lse = torch.full((11, slots, hkv * group), math.nan, device=device)
-    P._launch(q, qo_indptr, source, part_o, part_lse, causal=True, sm_scale=d ** -0.5, config=SMALL,
-              tile_programs=tile_programs)
-    assert not part_o.isnan().any() and not part_lse.isnan().any()
-    assert (part_o[part_lse == -math.inf] == 0).all()
-    o, s = part_o[:, 0].double(), part_lse[:, 0].double()
-    for j in range(1, slots):
-        o, s = merge_state_ref(o, s, part_o[:, j], part_lse[:, j])
-    ref = P.batch_prefill_paged_ref(q, qo_indptr, cache, table.kv_indptr, table.kv_indices, table.kv_last_page_len,
-                                    causal=True)
-    check_state(o.to(dtype), s.float(), *ref, dtype)
-
-
-def test_stream_k_slots_bound():
-    """The slot count is the most runs any head's columns can meet, for every column count."""
-    for hkv in (1, 2, 3, 8):
-        for programs in range(1, 30):
-            slots = P.stream_k_slots(programs, hkv)
-            for nb in range(1, 12):
-                cols = hkv * nb
-                bounds = [g * cols // programs for g in range(programs + 1)]
-                for h in range(hkv):
-                    first = max(g for g in range(programs) if bounds[g] <= h * nb)
-                    last = max(g for g in range(programs) if bounds[g] <= (h + 1) * nb - 1)
-                    assert last - first + 1 <= slots, (hkv, programs, nb, h)
 
 
 def test_paged_default_split_path(device):
@@ -685,19 +632,6 @@ def _prefix_case(length, n, *, page_size=16, hq=32, hkv=8, d=128, dtype=torch.bf
     q = torch.randn((n, hq, d), dtype=dtype, device="cuda", generator=gen)
     qo_indptr = torch.tensor([0, n], dtype=i32, device="cuda")
     return q, qo_indptr, cache, table
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("length,n,tile_programs", [(32768, 128, 27), (20011, 77, 50), (4096, 256, 9)])
-def test_gpu_stream_k_realistic(length, n, tile_programs):
-    """bf16, Hq=32, Hkv=8, D=128, the cascade's prefix level on a stream-K grid of any size
-    (27 x 4 = 108 programs at 128 x 32K; a ragged last page; 9 x 8 at 256 x 4K)."""
-    q, qo_indptr, cache, t = _prefix_case(length, n, seed=tile_programs)
-    source = P._paged_source(unpack_paged_kv_cache(cache, "NHD"), t.kv_indptr, t.kv_indices, t.kv_last_page_len)
-    out, lse = poisoned(q)
-    P._run(q, qo_indptr, source, out, lse, causal=False, sm_scale=128 ** -0.5, tile_programs=tile_programs)
-    k, v = gather_paged_kv(unpack_paged_kv_cache(cache, "NHD"), t.kv_indptr, t.kv_indices, t.kv_last_page_len, 0)
-    check_state(out, lse, *attention_state_ref(q, k, v), torch.bfloat16)
 
 
 @pytest.mark.gpu

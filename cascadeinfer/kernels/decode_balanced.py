@@ -213,7 +213,6 @@ def _balanced_kernel(
     IEEE: tl.constexpr,
     BLOCK_B: tl.constexpr,  # kv_indptr entries compared per step of the request search
     PDL: tl.constexpr,  # stage 2 is a programmatic dependent launch (CUDA, sm_90+)
-    AFTER_PRIMARY: tl.constexpr,  # launched as a programmatic dependent of a kernel whose output it does not read
 ):
     if PDL:
         # Let stage 2's programs start now: they plan from kv_indptr while this grid runs
@@ -302,11 +301,6 @@ def _balanced_kernel(
         row_start = row_end
         row_end = next_end
         last_len = next_last
-    if AFTER_PRIMARY:
-        # This grid ran beside the kernel before it (which let it start early); waiting for
-        # that kernel here, at the end, makes this grid's completion imply the other's, so
-        # the work after it in the stream sees both.
-        gdc_wait()
 
 
 @triton.jit(do_not_specialize=["batch", "num_programs", "min_pages", "num_qo_heads"])
@@ -406,7 +400,6 @@ def launch_balanced(
     q: torch.Tensor, kv: PagedKV, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
     kv_last_page_len: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *, qk_scale: float,
     programs: int, min_pages: int, block_n: int, num_warps: int, num_stages: int, pdl: bool,
-    after_primary: bool = False,
 ) -> None:
     """Launch both stages into ``out [batch, Hq, D]`` (q's dtype) and ``lse`` float32
     ``[batch, Hq]`` (natural log). Internal: every argument has been checked by
@@ -415,11 +408,6 @@ def launch_balanced(
     ``programs``: P, programs per kv head; each takes ``max(cdiv(total pages, P),
     min_pages)`` pages of the batch's concatenated page list. ``qk_scale``: sm_scale *
     log2(e). ``pdl``: stage 2 as a programmatic dependent launch (needs :func:`has_pdl`).
-    ``after_primary`` (needs :func:`has_pdl`): stage 1 is itself a programmatic dependent
-    launch of the kernel before it in the stream, which must call ``gdc_launch_dependents``
-    and whose output stage 1 does not read: the two run side by side, and stage 1 waits for
-    it before it exits. Its grid should then fit in one wave on the SMs that kernel leaves
-    free (a program that finished early holds its SM until that kernel ends).
     """
     batch, num_qo_heads, head_dim = q.shape
     device = q.device
@@ -449,10 +437,8 @@ def launch_balanced(
         IEEE=q.dtype == torch.float32,
         BLOCK_B=_BLOCK_B,
         PDL=pdl,
-        AFTER_PRIMARY=after_primary,
         num_warps=num_warps,
         num_stages=num_stages,
-        **(dict(launch_pdl=True) if after_primary else {}),
     )
     if programs > 1:  # one program per kv head never cuts a request
         # With PDL every stage-2 program waits for stage 1 before it exits, even one with

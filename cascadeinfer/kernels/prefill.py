@@ -64,7 +64,6 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
 
 from cascadeinfer._checks import (
     FLOAT_DTYPES,
@@ -338,140 +337,12 @@ def _group_of_tile(
 
 
 @triton.jit
-def _attend_range(
-    q_ptr,  # as in _prefill_kernel
-    k_ptr,  # K base (ragged, several groups: the group's first key applied)
-    v_ptr,  # V base, like k_ptr
-    page_ptr,  # [pages of this group] int32 page ids (PAGED only)
-    kv_head,  # the KV head of this state
-    qo_start,  # the group's first query
-    qo_len,  # the group's queries
-    row0,  # the tile's first packed row (< qo_len * GROUP_SIZE)
-    kv_len,  # the group's keys
-    split_lo,  # first key of the range, a multiple of BLOCK_N
-    split_hi,  # end of the range (<= kv_len)
-    stride_qt, stride_qh, stride_kp, stride_kt, stride_kh, stride_vt, stride_vh,
-    qk_scale,
-    GROUP_SIZE: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    PAGED: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    OFFSETS_32: tl.constexpr,
-    ALIGNED_PAGES: tl.constexpr,
-):
-    """``(o [BLOCK_M, BLOCK_D] float32, lse [BLOCK_M] float32 natural log)`` of one M tile's
-    rows, one KV head, keys ``[split_lo, split_hi)``; a row that saw no key gets (0, -inf)."""
-    # ---- the packed query rows: row r = (token r // G, head-in-group r % G)
-    offs_m = row0 + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    tok = offs_m // GROUP_SIZE
-    head = kv_head * GROUP_SIZE + offs_m % GROUP_SIZE
-    row_ok = offs_m < qo_len * GROUP_SIZE
-    d_ok = offs_d < HEAD_DIM
-    q_off = (qo_start + tok).to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
-    q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-
-    # ---- key limits: row j of the group sees keys < kv_len - qo_len + j + 1 when causal
-    if CAUSAL:
-        shift = kv_len - qo_len + 1
-        row_lim = tl.minimum(shift + tok, kv_len)  # [BLOCK_M], may be <= 0: sees nothing
-        tok_last = tl.minimum((row0 + BLOCK_M - 1) // GROUP_SIZE, qo_len - 1)
-        lim_all = tl.minimum(shift + row0 // GROUP_SIZE, kv_len)  # every row of the tile sees these
-        lim_any = tl.minimum(shift + tok_last, kv_len)  # some row of the tile sees these
-    else:
-        row_lim = tl.full([BLOCK_M], 0, tl.int32) + kv_len
-        lim_all = kv_len
-        lim_any = kv_len
-    full_end = split_lo + tl.maximum(tl.minimum(split_hi, lim_all) - split_lo, 0) // BLOCK_N * BLOCK_N
-    masked_end = tl.minimum(split_hi, lim_any)
-
-    k_head = k_ptr + tl.cast(kv_head, tl.int64) * stride_kh
-    v_head = v_ptr + tl.cast(kv_head, tl.int64) * stride_vh
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    acc, l_i, m_i = _full_tiles(
-        acc, l_i, m_i, q, k_head, v_head, page_ptr, split_lo, full_end,
-        stride_kp, stride_kt, stride_vt, qk_scale,
-        PAGED, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION, OFFSETS_32, ALIGNED_PAGES,
-    )
-    # Ranges are whole BLOCK_N tiles, so no masked tile straddles a range boundary other
-    # than kv_len itself: row_lim (<= kv_len) is the only per-row limit needed.
-    acc, l_i, m_i = _masked_tiles(
-        acc, l_i, m_i, q, k_head, v_head, page_ptr, full_end, masked_end, row_lim,
-        stride_kp, stride_kt, stride_vt, qk_scale,
-        PAGED, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION,
-    )
-
-    # ---- normalise; a row that saw no key gets (0, -inf)
-    seen = l_i > 0.0
-    o = acc / tl.where(seen, l_i, 1.0)[:, None]
-    # Base change: m_i + log2(l_i) is the LSE in log2 units; times ln(2) gives natural log.
-    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * _LN2, float("-inf"))
-    return o, lse
-
-
-@triton.jit
-def _store_state(
-    o_ptr, lse_ptr,  # as in _prefill_kernel
-    o,  # [BLOCK_M, BLOCK_D] float32
-    lse,  # [BLOCK_M] float32, natural log
-    kv_head, slot, qo_start, qo_len, row0,
-    stride_ot, stride_os, stride_oh, stride_lt, stride_ls, stride_lh,
-    GROUP_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """Store one M tile's rows of one KV head at ``slot`` of dim 1 of ``o_ptr`` / ``lse_ptr``."""
-    offs_m = row0 + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    tok64 = (qo_start + offs_m // GROUP_SIZE).to(tl.int64)
-    head = (kv_head * GROUP_SIZE + offs_m % GROUP_SIZE).to(tl.int64)
-    row_ok = offs_m < qo_len * GROUP_SIZE
-    o_off = tok64 * stride_ot + tl.cast(slot, tl.int64) * stride_os + head * stride_oh
-    tl.store(o_ptr + o_off[:, None] + offs_d[None, :], o.to(o_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
-    lse_off = tok64 * stride_lt + tl.cast(slot, tl.int64) * stride_ls + head * stride_lh
-    tl.store(lse_ptr + lse_off, lse, mask=row_ok)
-
-
-@triton.jit
-def _store_identity(
-    o_ptr, lse_ptr,  # as in _prefill_kernel
-    kv_head, slot, qo_start, qo_len, row0,
-    stride_ot, stride_os, stride_oh, stride_lt, stride_ls, stride_lh,
-    GROUP_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """The empty state ``(0, -inf)`` of one M tile's rows of one KV head at ``slot``."""
-    _store_state(o_ptr, lse_ptr, tl.zeros([BLOCK_M, BLOCK_D], tl.float32),
-                 tl.full([BLOCK_M], float("-inf"), tl.float32), kv_head, slot, qo_start, qo_len, row0,
-                 stride_ot, stride_os, stride_oh, stride_lt, stride_ls, stride_lh,
-                 GROUP_SIZE, HEAD_DIM, BLOCK_M, BLOCK_D)
-
-
-@triton.jit
-def _first_program_of_head(h, nb, cols, num_programs):
-    """The program whose run of columns holds column ``h * nb`` (the first key tile of KV
-    head ``h``): the largest ``g`` with ``g * cols // num_programs <= h * nb``."""
-    return ((tl.cast(h * nb + 1, tl.int64) * num_programs - 1) // cols).to(tl.int32)
-
-
-@triton.jit
 def _prefill_kernel(
     q_ptr,  # [nnz_qo, num_qo_heads, head_dim]
     k_ptr,  # paged: [num_pages, page_size, num_kv_heads, head_dim] in any layout (strides); ragged: [nnz_kv, num_kv_heads, head_dim]
     v_ptr,  # like k_ptr
-    o_ptr,  # [nnz_qo, num_slots, num_qo_heads, head_dim] q's dtype; one slot: the output itself
-    lse_ptr,  # [nnz_qo, num_slots, num_qo_heads] float32, natural log
+    o_ptr,  # [nnz_qo, num_splits, num_qo_heads, head_dim] q's dtype; num_splits == 1: the output itself
+    lse_ptr,  # [nnz_qo, num_splits, num_qo_heads] float32, natural log
     qo_indptr_ptr,  # [num_groups + 1] int32 (not read when ONE_GROUP)
     kv_indptr_ptr,  # [num_groups + 1] int32, pages (PAGED) or tokens (not read when ONE_GROUP)
     kv_indices_ptr,  # [kv_indptr[-1]] int32 page ids (PAGED only)
@@ -480,8 +351,6 @@ def _prefill_kernel(
     num_groups,
     one_group_qo_len,  # ONE_GROUP only: the number of queries
     one_group_kv_len,  # ONE_GROUP only: the number of keys
-    num_kv_heads,
-    num_slots,  # STREAM_K: states per (row, head), dim 1 of o_ptr
     stride_qt,
     stride_qh,
     stride_kp,  # paged: K and V share their page and token strides (one PagedKV)
@@ -506,17 +375,14 @@ def _prefill_kernel(
     PAGED: tl.constexpr,
     CAUSAL: tl.constexpr,
     ONE_GROUP: tl.constexpr,  # one group, no indptr (shared_prefix_attention)
-    STREAM_K: tl.constexpr,  # grid (tiles, programs per tile): key tiles of all KV heads dealt in runs
     DOT_PRECISION: tl.constexpr,
     OFFSETS_32: tl.constexpr,  # unmasked loop: K/V row offsets in int32 (every pool offset < 2**31)
     ALIGNED_PAGES: tl.constexpr,  # unmasked loop, paged, BLOCK_N % PAGE_SIZE == 0: page math hoisted
-    LAUNCH_DEPENDENTS: tl.constexpr,  # let the next kernel (a programmatic dependent launch) start now
 ):
-    if LAUNCH_DEPENDENTS:
-        # Once every program of this grid has started, the next kernel may fill the SMs
-        # this grid leaves free (it must not read what this grid writes before it waits).
-        gdc_launch_dependents()
     tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
 
     # ---- which group, which tile of it, and the group's KV range (no host reads)
     if ONE_GROUP:
@@ -533,85 +399,72 @@ def _prefill_kernel(
     if row0 >= qo_len * GROUP_SIZE:
         return  # a slot of the upper-bound grid that holds no tile
 
+    # ---- the packed query rows: row r = (token r // G, head-in-group r % G)
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    tok = offs_m // GROUP_SIZE
+    head = kv_head * GROUP_SIZE + offs_m % GROUP_SIZE
+    row_ok = offs_m < qo_len * GROUP_SIZE
+    d_ok = offs_d < HEAD_DIM
+    q_off = (qo_start + tok).to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
+    q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    # ---- key limits: row j of the group sees keys < kv_len - qo_len + j + 1 when causal
+    if CAUSAL:
+        shift = kv_len - qo_len + 1
+        row_lim = tl.minimum(shift + tok, kv_len)  # [BLOCK_M], may be <= 0: sees nothing
+        tok_last = tl.minimum((row0 + BLOCK_M - 1) // GROUP_SIZE, qo_len - 1)
+        lim_all = tl.minimum(shift + row0 // GROUP_SIZE, kv_len)  # every row of the tile sees these
+        lim_any = tl.minimum(shift + tok_last, kv_len)  # some row of the tile sees these
+    else:
+        row_lim = tl.full([BLOCK_M], 0, tl.int32) + kv_len
+        lim_all = kv_len
+        lim_any = kv_len
+
+    # ---- this program's split of the KV range, in whole BLOCK_N tiles
+    chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+    split_lo = split * chunk
+    split_hi = tl.minimum(split_lo + chunk, kv_len)
+    full_end = split_lo + tl.maximum(tl.minimum(split_hi, lim_all) - split_lo, 0) // BLOCK_N * BLOCK_N
+    masked_end = tl.minimum(split_hi, lim_any)
+
+    k_head = k_ptr + kv_head.to(tl.int64) * stride_kh
+    v_head = v_ptr + kv_head.to(tl.int64) * stride_vh
     if PAGED:
         page_ptr = kv_indices_ptr + kv_start
-        k_base = k_ptr
-        v_base = v_ptr
     else:
         page_ptr = kv_indices_ptr  # not read
-        k_base = k_ptr
-        v_base = v_ptr
         if not ONE_GROUP:
-            k_base += kv_start.to(tl.int64) * stride_kt
-            v_base += kv_start.to(tl.int64) * stride_vt
+            k_head += kv_start.to(tl.int64) * stride_kt
+            v_head += kv_start.to(tl.int64) * stride_vt
 
-    if STREAM_K:
-        # The tile's work is a row of columns (KV head h, key tile b), h-major: cols =
-        # num_kv_heads * nb. Program g takes the run [g * cols // P, (g+1) * cols // P), so
-        # any P splits the work evenly; the P programs of a tile sit next to each other in
-        # the grid's order, hence the tiles of one KV head read the same keys at about
-        # the same time (L2 reuse). A run crosses KV heads: one state per (head, run), at
-        # slot g - first(h) of that head (first(h): the program holding h's first column).
-        # Slots a head's runs leave over get the identity (0, -inf): the program with the
-        # head's last column writes them (and an empty run inside a head writes its own).
-        g = tl.program_id(1)
-        num_programs = tl.num_programs(1)
-        nb = tl.cdiv(kv_len, BLOCK_N)
-        cols = num_kv_heads * nb
-        if cols == 0:
-            if g == 0:  # no key at all: every state is empty
-                for h in range(0, num_kv_heads):
-                    for s in range(0, num_slots):
-                        _store_identity(o_ptr, lse_ptr, h, s, qo_start, qo_len, row0,
-                                        stride_ot, stride_os, stride_oh, stride_lt, stride_ls, stride_lh,
-                                        GROUP_SIZE, HEAD_DIM, BLOCK_M, BLOCK_D)
-            return
-        c0 = (g.to(tl.int64) * cols // num_programs).to(tl.int32)
-        c1 = ((g + 1).to(tl.int64) * cols // num_programs).to(tl.int32)
-        if c0 == c1:
-            # An empty run (fewer columns than programs): inside a head it holds a slot of
-            # that head; at a head's start it lies past the previous head's last column.
-            if c0 < cols:
-                h = c0 // nb
-                s = g - _first_program_of_head(h, nb, cols, num_programs)
-                if s >= 0:
-                    _store_identity(o_ptr, lse_ptr, h, s, qo_start, qo_len, row0,
-                                    stride_ot, stride_os, stride_oh, stride_lt, stride_ls, stride_lh,
-                                    GROUP_SIZE, HEAD_DIM, BLOCK_M, BLOCK_D)
-            return
-        for h in range(c0 // nb, (c1 - 1) // nb + 1):
-            lo = tl.maximum(c0 - h * nb, 0) * BLOCK_N
-            hi = tl.minimum(tl.minimum(c1 - h * nb, nb) * BLOCK_N, kv_len)
-            o, lse = _attend_range(q_ptr, k_base, v_base, page_ptr, h, qo_start, qo_len, row0, kv_len, lo, hi,
-                                   stride_qt, stride_qh, stride_kp, stride_kt, stride_kh, stride_vt, stride_vh,
-                                   qk_scale, GROUP_SIZE, PAGE_SIZE, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, PAGED,
-                                   CAUSAL, DOT_PRECISION, OFFSETS_32, ALIGNED_PAGES)
-            # The slot is computed only now: a value live across the key loop costs the
-            # loop its schedule (sm_90a: address math no longer hides under the QK wgmma).
-            s = g - _first_program_of_head(h, nb, cols, num_programs)
-            _store_state(o_ptr, lse_ptr, o, lse, h, s, qo_start, qo_len, row0,
-                         stride_ot, stride_os, stride_oh, stride_lt, stride_ls, stride_lh,
-                         GROUP_SIZE, HEAD_DIM, BLOCK_M, BLOCK_D)
-            if c1 >= (h + 1) * nb:
-                for t in range(s + 1, num_slots):
-                    _store_identity(o_ptr, lse_ptr, h, t, qo_start, qo_len, row0,
-                                    stride_ot, stride_os, stride_oh, stride_lt, stride_ls, stride_lh,
-                                    GROUP_SIZE, HEAD_DIM, BLOCK_M, BLOCK_D)
-    else:
-        kv_head = tl.program_id(1)
-        split = tl.program_id(2)
-        num_splits = tl.num_programs(2)
-        # This program's split of the KV range, in whole BLOCK_N tiles.
-        chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
-        split_lo = split * chunk
-        split_hi = tl.minimum(split_lo + chunk, kv_len)
-        o, lse = _attend_range(q_ptr, k_base, v_base, page_ptr, kv_head, qo_start, qo_len, row0, kv_len,
-                               split_lo, split_hi, stride_qt, stride_qh, stride_kp, stride_kt, stride_kh,
-                               stride_vt, stride_vh, qk_scale, GROUP_SIZE, PAGE_SIZE, HEAD_DIM, BLOCK_M, BLOCK_N,
-                               BLOCK_D, PAGED, CAUSAL, DOT_PRECISION, OFFSETS_32, ALIGNED_PAGES)
-        _store_state(o_ptr, lse_ptr, o, lse, kv_head, split, qo_start, qo_len, row0,
-                     stride_ot, stride_os, stride_oh, stride_lt, stride_ls, stride_lh,
-                     GROUP_SIZE, HEAD_DIM, BLOCK_M, BLOCK_D)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    acc, l_i, m_i = _full_tiles(
+        acc, l_i, m_i, q, k_head, v_head, page_ptr, split_lo, full_end,
+        stride_kp, stride_kt, stride_vt, qk_scale,
+        PAGED, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION, OFFSETS_32, ALIGNED_PAGES,
+    )
+    # Chunks are whole BLOCK_N tiles, so no masked tile straddles a split boundary other
+    # than kv_len itself: row_lim (<= kv_len) is the only per-row limit needed.
+    acc, l_i, m_i = _masked_tiles(
+        acc, l_i, m_i, q, k_head, v_head, page_ptr, full_end, masked_end, row_lim,
+        stride_kp, stride_kt, stride_vt, qk_scale,
+        PAGED, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION,
+    )
+
+    # ---- normalise and store; a row that saw no key stores (0, -inf)
+    seen = l_i > 0.0
+    o = acc / tl.where(seen, l_i, 1.0)[:, None]
+    # Base change: m_i + log2(l_i) is the LSE in log2 units; times ln(2) gives natural log.
+    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * _LN2, float("-inf"))
+    tok64 = (qo_start + tok).to(tl.int64)
+    o_off = tok64 * stride_ot + split.to(tl.int64) * stride_os + head.to(tl.int64) * stride_oh
+    tl.store(o_ptr + o_off[:, None] + offs_d[None, :], o.to(o_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & d_ok[None, :])
+    lse_off = tok64 * stride_lt + split.to(tl.int64) * stride_ls + head.to(tl.int64) * stride_lh
+    tl.store(lse_ptr + lse_off, lse, mask=row_ok)
 
 
 # --------------------------------------------------------------------------------------
@@ -710,21 +563,6 @@ def default_num_splits(num_tiles: int, num_kv_heads: int, max_kv_len: int, devic
         lo = max(1, int(target // programs))
         splits = min(splits, lo if target - lo * programs <= (lo + 1) * programs - target else lo + 1)
     return max(1, min(splits, max_kv_len // _MIN_KEYS_PER_SPLIT))
-
-
-def stream_k_slots(tile_programs: int, num_kv_heads: int) -> int:
-    """States per (query, head) of the stream-K grid: how many of the ``tile_programs``
-    equal runs over ``num_kv_heads * nb`` columns can touch one head's ``nb`` columns.
-
-    A run is ``cols / P`` columns long (``P = tile_programs``, fractional), so ``nb =
-    cols / Hkv`` columns meet at most ``ceil(P / Hkv) + 1`` runs, and exactly ``P / Hkv``
-    when ``Hkv`` divides ``P`` and every run has a column (boundaries then fall on head
-    starts). Runs with no column (``cols < P``) still count in the slot numbering, so the
-    bound is taken except for ``P == Hkv`` (one run per head whenever ``nb >= 1``).
-    """
-    if tile_programs == num_kv_heads:
-        return 1
-    return -(-tile_programs // num_kv_heads) + 1
 
 
 def groups_tile_config(nnz_qo: int, num_groups: int, group_size: int, head_dim: int,
@@ -856,14 +694,10 @@ def _launch(
     sm_scale: float,
     config: TileConfig,
     address: AddressPath | None = None,
-    tile_programs: int | None = None,
-    launch_dependents: bool = False,
 ) -> None:
     """Run the kernel into ``o_dest [nnz_qo, S, Hq, D]`` and ``lse_dest [nnz_qo, S, Hq]``.
 
-    ``S = o_dest.shape[1]``: the number of KV splits, or with ``tile_programs`` (the
-    stream-K grid, ``tile_programs`` programs per M tile sharing its KV heads' key tiles)
-    the slots :func:`stream_k_slots` gives. With ``S == 1`` the destinations
+    ``S = o_dest.shape[1]`` is the number of KV splits; with ``S == 1`` the destinations
     may be views of the caller's ``out``/``lse``. ``qo_indptr is None`` means one group of
     all queries against all of ``kv`` (ragged, starting at token 0). ``address``: the
     address switches (default: :func:`default_address_path`); a forced one is checked
@@ -883,12 +717,7 @@ def _launch(
         address = default_address_path(kv, config)
     elif (address.offsets_32 and not safe.offsets_32) or (address.aligned_pages and not safe.aligned_pages):
         raise ValueError(f"address: {address} is not exact for these shapes (allowed at most {safe})")
-    if tile_programs is None:
-        grid = (num_tiles, kv.num_kv_heads, num_splits)
-    else:
-        if num_splits != stream_k_slots(tile_programs, kv.num_kv_heads):
-            raise AssertionError("o_dest: stream-K slots do not match tile_programs")  # _run's promise
-        grid = (num_tiles, tile_programs, 1)
+    grid = (num_tiles, kv.num_kv_heads, num_splits)
     _prefill_kernel[grid](
         q, kv.k, kv.v, o_dest, lse_dest,
         dummy if one_group else qo_indptr,
@@ -897,7 +726,6 @@ def _launch(
         kv.last_page_len if kv.paged else dummy,
         (num_groups - 1).bit_length(), num_groups,
         nnz_qo, kv.k.shape[0] if one_group else 0,
-        kv.num_kv_heads, num_splits,
         q.stride(0), q.stride(1),
         *kv.k_strides, *kv.v_strides,
         o_dest.stride(0), o_dest.stride(1), o_dest.stride(2),
@@ -912,11 +740,9 @@ def _launch(
         PAGED=kv.paged,
         CAUSAL=causal,
         ONE_GROUP=one_group,
-        STREAM_K=tile_programs is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         OFFSETS_32=address.offsets_32,
         ALIGNED_PAGES=address.aligned_pages,
-        LAUNCH_DEPENDENTS=launch_dependents,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -934,29 +760,24 @@ def _run(
     num_splits: int | None = None,
     config: TileConfig | None = None,
     address: AddressPath | None = None,
-    tile_programs: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick tiles and splits from shapes, launch, merge the splits into ``out``/``lse``.
-    ``tile_programs`` (instead of ``num_splits``): the stream-K grid (:func:`_launch`)."""
+    """Pick tiles and splits from shapes, launch, merge the splits into ``out``/``lse``."""
     nnz_qo, num_qo_heads, head_dim = q.shape
     if config is None:
         num_groups = 1 if qo_indptr is None else qo_indptr.shape[0] - 1
         config = groups_tile_config(nnz_qo, num_groups, num_qo_heads // kv.num_kv_heads, head_dim, q.dtype)
-    if tile_programs is not None:
-        num_splits = stream_k_slots(tile_programs, kv.num_kv_heads)
-    elif num_splits is None:
+    if num_splits is None:
         num_splits = default_num_splits(_grid_tiles(q, qo_indptr, kv, config)[1], kv.num_kv_heads, kv.max_kv_len,
                                         q.device)
     if num_splits == 1:
         _launch(q, qo_indptr, kv, out.unsqueeze(1), lse.unsqueeze(1), causal=causal, sm_scale=sm_scale,
-                config=config, address=address, tile_programs=tile_programs)
+                config=config, address=address)
         return out, lse
-    # One partial state per split or slot (o in q's dtype, as merge_states takes one dtype;
-    # LSE float32). Every (row, slot) is written, an empty one as the identity (0, -inf).
+    # One partial state per split (o in q's dtype, as merge_states takes one dtype; LSE
+    # float32). Every (row, split) is written, an empty split as the identity (0, -inf).
     part_o = torch.empty((nnz_qo, num_splits, num_qo_heads, head_dim), dtype=q.dtype, device=q.device)
     part_lse = torch.empty((nnz_qo, num_splits, num_qo_heads), dtype=torch.float32, device=q.device)
-    _launch(q, qo_indptr, kv, part_o, part_lse, causal=causal, sm_scale=sm_scale, config=config, address=address,
-            tile_programs=tile_programs)
+    _launch(q, qo_indptr, kv, part_o, part_lse, causal=causal, sm_scale=sm_scale, config=config, address=address)
     merge_states(part_o, part_lse, out=out, out_lse=lse)
     return out, lse
 
