@@ -667,7 +667,8 @@ def plot_grid(rows: list[dict], path: str) -> None:
 # --------------------------------------------------------------------------- main
 
 
-def grid_shapes(quick: bool, hkv_filter: tuple[int, ...] | None) -> list[Shape]:
+def grid_shapes(quick: bool, hkv_filter: tuple[int, ...] | None,
+                batch_filter: tuple[int, ...] | None = None) -> list[Shape]:
     if quick:
         combos = [(b, p, 256, 8) for b in GRID_BATCHES for p in GRID_PREFIXES]
         combos += [(b, p, x, 8) for x in (16, 4096) for b in (16, 256) for p in GRID_PREFIXES]
@@ -676,7 +677,7 @@ def grid_shapes(quick: bool, hkv_filter: tuple[int, ...] | None) -> list[Shape]:
         combos = [(b, p, x, h) for h in GRID_HKV for x in GRID_SUFFIXES for b in GRID_BATCHES for p in GRID_PREFIXES]
     shapes = []
     for b, p, x, h in combos:
-        if hkv_filter and h not in hkv_filter:
+        if (hkv_filter and h not in hkv_filter) or (batch_filter and b not in batch_filter):
             continue
         sh = Shape(b, p, x, hkv=h, head_dim=GRID_HEAD_DIM)
         if sh.kv_bytes > MAX_GRID_KV_BYTES:
@@ -725,6 +726,7 @@ def main() -> None:
     ap.add_argument("--grid", action="store_true", help="batch x prefix x suffix x Hkv: planner check and plot")
     ap.add_argument("--quick", action="store_true", help="with --grid: a subset that runs in a few minutes")
     ap.add_argument("--hkv", type=int, nargs="+", help="with --grid: only these Hkv values")
+    ap.add_argument("--batches", type=int, nargs="+", help="with --grid: only these batch sizes")
     ap.add_argument("--fi-jit", action="store_true", help="let FlashInfer JIT-compile head dims it does not ship")
     ap.add_argument("--no-peers", action="store_true", help="ours only (no FlashInfer, no SDPA)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes; runs on a CPU")
@@ -758,7 +760,8 @@ def main() -> None:
     else:
         bar_shapes = [Shape(b, p, x, hkv=h, head_dim=d) for h, d in BAR_HEADS for b, p, x in BAR_SHAPES]
         gen_shapes = [Shape(b, p, x, hkv=h, head_dim=d) for h, d in GENERALITY_HEADS for b, p, x in BAR_SHAPES]
-        grid = grid_shapes(args.quick, tuple(args.hkv) if args.hkv else None) if args.grid else []
+        grid = grid_shapes(args.quick, tuple(args.hkv) if args.hkv else None,
+                           tuple(args.batches) if args.batches else None) if args.grid else []
     min_pool = MIN_POOL_BYTES if has_gpu else 0
     common = dict(device=device, fi=fi, fi_jit=args.fi_jit, min_pool_bytes=min_pool)
 

@@ -196,11 +196,13 @@ def test_cuda_graph_replay_after_tables_change():
 
 
 @pytest.mark.gpu
-def test_decode_level_beside_the_prefix_level():
+@pytest.mark.parametrize("batch,hkv", [(64, 8), (16, 8), (64, 32)])
+def test_decode_level_beside_the_prefix_level(batch, hkv):
     # Shared-prefix batch decode: the decode level runs on a side stream while the prefix
-    # level, with fewer KV splits than fill the GPU, runs on the caller's stream.
+    # level, with fewer KV splits than fill the GPU, runs on the caller's stream; its tiles
+    # are 128 rows (64 x 4 packed rows per kv head) or 64 (16 x 4, 64 x 1: two per SM).
     dev = torch.device("cuda")
-    batch, prefix_pages, suffix_pages, page_size, hq, hkv, d = 64, 512, 16, 16, 32, 8, 128
+    prefix_pages, suffix_pages, page_size, hq, d = 512, 16, 16, 32, 128
     num_pages = prefix_pages + batch * suffix_pages
     g = torch.Generator().manual_seed(3)
     perm = torch.randperm(num_pages, generator=g).int()

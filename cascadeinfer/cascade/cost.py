@@ -8,7 +8,8 @@ times from bytes moved and FLOPs, plus a fixed cost per level. v3 constants: gri
 (benchmarks/fit_planner.py) on 196 shapes measured on an H100 (176 grid + 20 bar/generality)
 and the 72 H200 shapes of v2; it picks the faster path, or one within 5% of it, on all 268
 (v2: 194/196 and 71/72). The side-stream gain counts only where the runtime takes the side
-stream (128-row prefill tiles). benchmarks/NOTES.md, "Planner v3".
+stream (64- and 128-row prefill tiles; since session 5, with ``overlap_gain`` 0.3: 196/196 on
+the H100 shapes re-measured then). benchmarks/NOTES.md, "Planner v3".
 """
 
 from __future__ import annotations
@@ -34,9 +35,11 @@ class DeviceModel:
     decode_level_seconds: float = 14e-6  # fixed cost of a decode level (splits + their merge)
     merge_seconds: float = 4e-6  # fixed cost of merging two levels
     l2_miss_small: float = 0.4  # repeated reads of a level that fits in L2 that still miss
-    overlap_gain: float = 0.2  # of the shorter of a prefill level and the decode level under it,
+    overlap_gain: float = 0.3  # of the shorter of a prefill level and the decode level under it,
     # saved by running them on two streams (measured 0.28-0.43 on an H100 at four shapes; the
-    # v3 fit over 268 shapes prefers 0.2, benchmarks/NOTES.md "Planner v3")
+    # v3 fit over 268 shapes chose 0.2; once 64-row prefill tiles took the side stream too,
+    # the H100 grid and bar shapes re-measured pass 196/196 with 0.25-0.4 and 193/196 with
+    # 0.2: benchmarks/NOTES.md "Planner v3", session 5)
 
     @staticmethod
     def for_device(device: torch.device | None) -> "DeviceModel":
@@ -68,16 +71,21 @@ def overlaps(levels: list[LevelShape]) -> bool:
 
 def side_stream_runs(levels: list[LevelShape], *, group_size: int, head_dim: int, elem_bytes: int) -> bool:
     """Whether :func:`overlaps` holds and the runtime takes the side stream: only where the
-    prefill level's tiles are 128 rows, i.e. its average packed rows per group pick a
-    128-row :func:`groups_tile_config` (fp16 and bf16 pick the same tiles). The planner
-    returns an SM share exactly when this holds, and ``MultiLevelCascadeAttention.plan``
-    overlaps exactly when it has one."""
+    prefill level's tiles are 64 or 128 rows, i.e. its average packed rows per group pick
+    such a :func:`groups_tile_config` (fp16 and bf16 pick the same tiles). 16- and 32-row
+    tiles (groups of a few rows: bandwidth-bound, like the decode) keep one stream. The
+    planner returns an SM share exactly when this holds, and
+    ``MultiLevelCascadeAttention.plan`` overlaps exactly when it has one. (64-row tiles,
+    two programs per SM, lost beside the decode in session 2 (Hkv 32 at (64, 8192, 256),
+    151 -> 173 us); on session 4's kernels they win: 152 -> 141 us there, 129 -> 122 at
+    (16, 65536, 1024), 78 -> 72 with head_dim 64, 34 -> 29 at (16, 8192, 256); H100,
+    benchmarks/NOTES.md.)"""
     if not overlaps(levels):
         return False
     pre = levels[-2]
     dtype = torch.float32 if elem_bytes == 4 else torch.bfloat16
     config = groups_tile_config(pre.num_queries, max(1, pre.num_groups), group_size, head_dim, dtype)
-    return config.block_m >= 128
+    return config.block_m >= 64
 
 
 def prefix_sm_fraction(t_prefix: float, t_decode: float) -> float:
@@ -105,7 +113,7 @@ def predict_seconds(
     A level takes the larger of its memory time (unique K/V once) and its compute time
     (tensor-core prefill, or the decode kernel's padded dot), plus a fixed cost; levels
     after the first add a merge; a decode level that runs beside the prefill level above
-    it (:func:`side_stream_runs`: 128-row prefill tiles only, as the runtime does) saves ``overlap_gain`` of the shorter of the two. Flat runs the
+    it (:func:`side_stream_runs`: 64- and 128-row prefill tiles, as the runtime does) saves ``overlap_gain`` of the shorter of the two. Flat runs the
     last level's kernel over every key of every level: keys of an upper level are re-read
     once per request, from L2 when the level fits there (``l2_miss_small`` of them still
     miss). ``per_level``, if given, receives each cascade level's predicted seconds.

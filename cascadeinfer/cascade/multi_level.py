@@ -163,10 +163,9 @@ class MultiLevelCascadeAttention:
             self._levels = [_device_level(lv, self.device, o) for lv, o in zip(levels, old)]
             # The decode level runs on a side stream beside the prefill level above it; that
             # level's grid is sized to leave the decode its share of the SMs (from shapes).
-            # The planner gives a share only where the prefill level's programs take a whole
-            # SM each (128-row tiles, cost.side_stream_runs): then a smaller grid leaves whole
-            # SMs free. (With 64-row tiles, two to an SM, it measured slower on an H100:
-            # Hkv 32, (64, 8192, 256) 151 -> 173 us.)
+            # The planner gives a share only where the prefill level is compute-bound: 64- or
+            # 128-row tiles (cost.side_stream_runs), one or two programs per SM, so a smaller
+            # grid leaves SMs free. Groups of a few rows (16-32-row tiles) keep one stream.
             self._overlap = prefix_share is not None and self.device.type == "cuda"
             if self._overlap:
                 pre = levels[-2]
