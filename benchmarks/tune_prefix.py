@@ -110,9 +110,11 @@ def load_v0():
 # --------------------------------------------------------------------------- sm_90 report
 
 
-def sass_report(variants) -> list[dict]:
-    """Compile each variant for sm_90a (no GPU needed) and read what matters off the PTX
-    and ptxas: registers, spills, shared memory, wgmma count, cp.async waits per loop."""
+def compile_sm90(cfg: P.TileConfig, address: P.AddressPath):
+    """``(compiled kernel, ptxas -v report, the wheel's CUDA bin folder)`` of the paged
+    prefill kernel for sm_90a at the shared-prefix shapes (bf16, group 4, page 16, D 128,
+    non-causal, several groups), with 16-byte-aligned pointers and strides: triton.compile
+    with a GPUTarget and the wheel's ptxas, so no GPU is needed."""
     import triton  # noqa: PLC0415
     from triton.backends.compiler import GPUTarget  # noqa: PLC0415
     from triton.compiler import ASTSource  # noqa: PLC0415
@@ -121,28 +123,36 @@ def sass_report(variants) -> list[dict]:
     types = {n: "*bf16" if n.endswith("_ptr") else "i32" for n in fn.arg_names}
     types.update(qk_scale="fp32", lse_ptr="*fp32", qo_indptr_ptr="*i32", kv_indptr_ptr="*i32",
                  kv_indices_ptr="*i32", kv_last_page_len_ptr="*i32")
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    const = dict(GROUP_SIZE=4, PAGE_SIZE=16, HEAD_DIM=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                 BLOCK_D=128, PAGED=True, CAUSAL=False, ONE_GROUP=False, DOT_PRECISION="tf32",
+                 OFFSETS_32=address.offsets_32, ALIGNED_PAGES=address.aligned_pages)
+    sig = {n: "constexpr" if n in const else types[n] for n in fn.arg_names}
+    aligned = [n for n in fn.arg_names if n not in const and (n.endswith("_ptr") or n.startswith("stride_"))
+               and n not in ("stride_ls", "stride_lh")]
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    k = triton.compile(ASTSource(fn, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    path = f"/tmp/tune_prefix_{os.getpid()}.ptx"
+    with open(path, "w") as f:
+        f.write(k.asm["ptx"])
+    info = subprocess.run([os.path.join(bindir, "ptxas"), "-arch=sm_90a", "-v", path, "-o", "/dev/null"],
+                          capture_output=True, text=True).stderr
+    os.remove(path)
+    return k, info, bindir
+
+
+def sass_report(variants) -> list[dict]:
+    """Compile each variant for sm_90a (no GPU needed) and read what matters off the PTX
+    and ptxas: registers, spills, shared memory, wgmma count, cp.async waits per loop.
+    Every variant on the int32 + hoisted address path (not the launcher's default for
+    128-row tiles, the hoisting alone: tune_prefix_offsets compares the paths)."""
     rows = []
     for var in variants:
         if var.module != "new" or var.cfg is None:
             continue
-        cfg = var.cfg
-        const = dict(GROUP_SIZE=4, PAGE_SIZE=16, HEAD_DIM=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                     BLOCK_D=128, PAGED=True, CAUSAL=False, ONE_GROUP=False, DOT_PRECISION="tf32",
-                     OFFSETS_32=True, ALIGNED_PAGES=True)  # the default address path at these shapes
-        sig = {n: "constexpr" if n in const else types[n] for n in fn.arg_names}
-        aligned = [n for n in fn.arg_names if n not in const and (n.endswith("_ptr") or n.startswith("stride_"))
-                   and n not in ("stride_ls", "stride_lh")]
-        attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-        k = triton.compile(ASTSource(fn, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                           options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+        k, info, _ = compile_sm90(var.cfg, P.AddressPath(offsets_32=True, aligned_pages=True))
         ptx = k.asm["ptx"]
-        path = f"/tmp/tune_prefix_{os.getpid()}.ptx"
-        with open(path, "w") as f:
-            f.write(ptx)
-        info = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", "/dev/null"], capture_output=True,
-                              text=True).stderr
-        os.remove(path)
         loops = ptx.split("Inner Loop Header")[1:]
         rows.append(dict(
             variant=var.name,

@@ -185,37 +185,17 @@ def sass_report(config: P.TileConfig | None = None) -> list[dict]:
     GPUTarget, the wheel's ptxas and cuobjdump) and read off the cubin: registers, spill
     bytes, and for the unmasked key loop (the first SASS loop with tensor-core MMAs) its
     instructions per tile, LDGSTS, LDG, integer/address instructions, local spills."""
-    import triton  # noqa: PLC0415
-    from triton.backends.compiler import GPUTarget  # noqa: PLC0415
-    from triton.compiler import ASTSource  # noqa: PLC0415
+    from benchmarks.tune_prefix import compile_sm90  # noqa: PLC0415
 
     cfg = config or P.default_tile_config(D, DTYPE)
-    fn = P._prefill_kernel
-    types = {n: "*bf16" if n.endswith("_ptr") else "i32" for n in fn.arg_names}
-    types.update(qk_scale="fp32", lse_ptr="*fp32", qo_indptr_ptr="*i32", kv_indptr_ptr="*i32",
-                 kv_indices_ptr="*i32", kv_last_page_len_ptr="*i32")
-    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     rows = []
     for name, address in PATHS.items():
-        const = dict(GROUP_SIZE=HQ // HKV, PAGE_SIZE=PAGE, HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                     BLOCK_D=D, PAGED=True, CAUSAL=False, ONE_GROUP=False, DOT_PRECISION="tf32",
-                     OFFSETS_32=address.offsets_32, ALIGNED_PAGES=address.aligned_pages)
-        sig = {a: "constexpr" if a in const else types[a] for a in fn.arg_names}
-        aligned = [a for a in fn.arg_names if a not in const and (a.endswith("_ptr") or a.startswith("stride_"))
-                   and a not in ("stride_ls", "stride_lh")]
-        attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
-        k = triton.compile(ASTSource(fn, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                           options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+        k, info, bindir = compile_sm90(cfg, address)
         base = f"/tmp/tune_prefix_offsets_{os.getpid()}"
-        with open(base + ".ptx", "w") as f:
-            f.write(k.asm["ptx"])
         with open(base + ".cubin", "wb") as f:
             f.write(k.asm["cubin"])
-        info = subprocess.run([os.path.join(bindir, "ptxas"), "-arch=sm_90a", "-v", base + ".ptx", "-o", "/dev/null"],
-                              capture_output=True, text=True).stderr
         sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", base + ".cubin"], capture_output=True,
                               text=True).stdout
-        os.remove(base + ".ptx")
         os.remove(base + ".cubin")
         code = [(int(m.group(1), 16), m.group(2).strip()) for line in sass.splitlines()
                 if (m := re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line))]
