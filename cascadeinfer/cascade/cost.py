@@ -113,10 +113,11 @@ def predict_seconds(
     A level takes the larger of its memory time (unique K/V once) and its compute time
     (tensor-core prefill, or the decode kernel's padded dot), plus a fixed cost; levels
     after the first add a merge; a decode level that runs beside the prefill level above
-    it (:func:`side_stream_runs`: 64- and 128-row prefill tiles, as the runtime does) saves ``overlap_gain`` of the shorter of the two. Flat runs the
-    last level's kernel over every key of every level: keys of an upper level are re-read
-    once per request, from L2 when the level fits there (``l2_miss_small`` of them still
-    miss). ``per_level``, if given, receives each cascade level's predicted seconds.
+    it (:func:`side_stream_runs`: 64- and 128-row prefill tiles, as the runtime does)
+    saves ``overlap_gain`` of the shorter of the two. Flat runs the last level's kernel
+    over every key of every level: keys of an upper level are re-read once per request,
+    from L2 when the level fits there (``l2_miss_small`` of them still miss).
+    ``per_level``, if given, receives each cascade level's predicted seconds.
     """
     kv_bytes_per_key = 2 * num_kv_heads * head_dim * elem_bytes
     bw = model.copy_bandwidth * model.decode_bandwidth_efficiency
