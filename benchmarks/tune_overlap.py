@@ -25,8 +25,9 @@ from benchmarks._common import bench_rotating, environment, markdown_table, meas
 from benchmarks.bench_cascade import BAR_SHAPES, DTYPE, MIN_POOL_BYTES, PAGE, Shape, Workload
 from cascadeinfer.cascade.multi_level import MultiLevelCascadeAttention
 from cascadeinfer.kernels import prefill as P
-from cascadeinfer.kernels.decode import BALANCED_VARIANTS, _batch_decode_paged, batch_decode_paged
-from cascadeinfer.kernels.merge import merge_state
+from cascadeinfer.kernels.decode import (BALANCED_VARIANTS, DECODE_VARIANTS, _batch_decode_paged,
+                                         _launch_per_request, batch_decode_paged)
+from cascadeinfer.kernels.merge import merge_state, merge_states
 from cascadeinfer.layouts.paged_cache import unpack_paged_kv_cache
 
 
@@ -71,6 +72,75 @@ def two_streams(wl: Workload, prefix_splits: int, parts: str = "both"):
     return [call(i) for i in range(wl.rot)]
 
 
+def one_merge(wl: Workload, prefix_splits: int):
+    """Like :func:`two_streams`, but the prefix level's split states and the decode level's
+    state go into one ``[batch, S + 1, Hq, D]`` buffer (the decode writes slot S) and one
+    ``merge_states`` makes the output: one merge launch after the levels instead of two
+    (the prefix's split merge, then the level merge)."""
+    s = wl.shape
+    qo, kp, ki, kl = wl.tables()
+    side = torch.cuda.Stream()
+    cfg = P.groups_tile_config(s.batch, 1, s.hq // s.hkv, s.head_dim, DTYPE)
+    bufs = [(torch.empty(s.batch, prefix_splits + 1, s.hq, s.head_dim, device=q.device, dtype=DTYPE),
+             torch.empty(s.batch, prefix_splits + 1, s.hq, device=q.device), torch.empty_like(q),
+             torch.empty(q.shape[:2], device=q.device)) for q in wl.qs]
+
+    def call(i):
+        q, pool = wl.qs[i], wl.pools[i]
+        part_o, part_lse, out, lse = bufs[i]
+        source = P._paged_source(unpack_paged_kv_cache(pool, "NHD"), kp[0], ki[0], kl[0])
+
+        def run():
+            main = torch.cuda.current_stream()
+            side.wait_stream(main)
+            P._launch(q, qo[0], source, part_o[:, :prefix_splits], part_lse[:, :prefix_splits], causal=False,
+                      sm_scale=s.head_dim ** -0.5, config=cfg)
+            with torch.cuda.stream(side):
+                batch_decode_paged(q, pool, kp[1], ki[1], kl[1], out=part_o[:, prefix_splits],
+                                   lse=part_lse[:, prefix_splits], validate=False)
+            main.wait_stream(side)
+            merge_states(part_o, part_lse, out=out, out_lse=lse)
+            return out, lse
+        return run
+
+    return [call(i) for i in range(wl.rot)]
+
+
+def colaunch(wl: Workload, prefix_splits: int, decode_cfg: str | None = None):
+    """One stream: the prefix level (which calls ``gdc_launch_dependents`` as it starts),
+    then the per-request suffix decode as its programmatic dependent launch (placed only once
+    every prefix program is resident, so it takes the SMs the prefix grid leaves free and,
+    being many short programs in several waves, each SM a prefix program frees), then one
+    ``merge_states`` over the prefix's split states and the decode's state. Nothing in the
+    decode waits for the prefix: whether the merge still sees the prefix complete (the
+    decode grid's completion implying its primary's) is what the timeline checks.
+    ``decode_cfg``: a DECODE_VARIANTS name (None: the default pick)."""
+    s = wl.shape
+    qo, kp, ki, kl = wl.tables()
+    cfg = P.groups_tile_config(s.batch, 1, s.hq // s.hkv, s.head_dim, DTYPE)
+    dcfg = DECODE_VARIANTS[decode_cfg] if decode_cfg else None
+    bufs = [(torch.empty(s.batch, prefix_splits + 1, s.hq, s.head_dim, device=q.device, dtype=DTYPE),
+             torch.empty(s.batch, prefix_splits + 1, s.hq, device=q.device), torch.empty_like(q),
+             torch.empty(q.shape[:2], device=q.device)) for q in wl.qs]
+
+    def call(i):
+        q, pool = wl.qs[i], wl.pools[i]
+        part_o, part_lse, out, lse = bufs[i]
+        kv = unpack_paged_kv_cache(pool, "NHD")
+        source = P._paged_source(kv, kp[0], ki[0], kl[0])
+
+        def run():
+            P._launch(q, qo[0], source, part_o[:, :prefix_splits], part_lse[:, :prefix_splits], causal=False,
+                      sm_scale=s.head_dim ** -0.5, config=cfg, launch_dependents=True)
+            _launch_per_request(q, kv, kp[1], ki[1], kl[1], part_o[:, prefix_splits], part_lse[:, prefix_splits],
+                                s.head_dim ** -0.5, 1, dcfg, after_primary=True)
+            merge_states(part_o, part_lse, out=out, out_lse=lse)
+            return out, lse
+        return run
+
+    return [call(i) for i in range(wl.rot)]
+
+
 def decode_on_few_sms(wl: Workload, programs: int, dcfg):
     """The balanced suffix decode alone on a one-wave grid of ``programs`` per kv head: its
     bandwidth on the SMs a prefix grid would leave free."""
@@ -85,6 +155,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="*", help="batch,prefix,suffix triples (default: the issue's four)")
     ap.add_argument("--rep-ms", type=int, default=60)
+    ap.add_argument("--quick", action="store_true",
+                    help="only the public path and the two-stream variants (no levels alone, no few-SM decode)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("tune_overlap needs a CUDA device")
@@ -110,22 +182,26 @@ def main() -> None:
         full = max(1, sms // pairs)
         variants = {}
         levels = {f"alone: prefix s{full}": (full, "prefix"), "alone: suffix decode": (full, "suffix")}
-        for name, spec in levels.items():
+        for name, spec in ({} if args.quick else levels).items():
             calls = two_streams(wl, *spec)
             row[name] = bench_rotating(calls, rep_ms=args.rep_ms) * 1e6
         s5, s3 = BALANCED_VARIANTS["n128_w4_s5"], BALANCED_VARIANTS["n128_w4_s3x2"]
-        for sms_used in (16, 36, 68):
+        for sms_used in () if args.quick else (16, 36, 68):
             for dname, dcfg, per_sm in (("s5", s5, 1), ("s3", s3, 2), ("s3x3", s3, 3)):
                 k = max(1, sms_used * per_sm // s.hkv)
                 calls = decode_on_few_sms(wl, k, dcfg)
                 row[f"alone: balanced {dname} {k * s.hkv} progs ({sms_used} SMs)"] = bench_rotating(
                     calls, rep_ms=args.rep_ms) * 1e6
         for splits in sorted({max(1, full - k) for k in range(0, 4)} | {max(1, full * 3 // 4)}):
-            variants[f"prefix s{splits} ({pairs * splits} progs) then decode"] = (splits, "both")
+            variants[f"prefix s{splits} ({pairs * splits} progs) then decode"] = (two_streams, splits, "both")
+            variants[f"prefix s{splits} ({pairs * splits} progs) then decode, one merge"] = (one_merge, splits)
+            for dname in (None, "n16_w2_s5"):
+                variants[f"prefix s{splits} ({pairs * splits} progs), co-launched decode {dname or 'default'}"] = (
+                    colaunch, splits, dname)
         best = ("serial", serial)
-        for name, spec in variants.items():
+        for name, (make, *spec) in variants.items():
             try:
-                calls = two_streams(wl, *spec)
+                calls = make(wl, *spec)
                 o, lse = calls[0]()
                 torch.cuda.synchronize()
                 err = (o.float() - o_ref.float()).abs().max().item()
