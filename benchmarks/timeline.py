@@ -26,7 +26,7 @@ import torch
 
 from benchmarks._common import environment, markdown_table, write_json
 from benchmarks.bench_cascade import BAR_SHAPES, DTYPE, MIN_POOL_BYTES, PAGE, Shape, Workload
-from benchmarks.tune_overlap import colaunch, one_merge, two_streams
+from benchmarks.tune_overlap import one_merge, two_streams
 from cascadeinfer.cascade.multi_level import MultiLevelCascadeAttention
 
 _REPLAY_GAP_US = 500.0  # replays are separated by a host sleep of milliseconds
@@ -95,8 +95,6 @@ def main() -> None:
         for splits in args.splits or ([planned] if planned else []):
             calls[f"s{splits}, two merges"] = two_streams(wl, splits)[0]
             calls[f"s{splits}, one merge"] = one_merge(wl, splits)[0]
-            calls[f"s{splits}, co-launched decode"] = colaunch(wl, splits)[0]
-            calls[f"s{splits}, co-launched decode n16_w2_s5"] = colaunch(wl, splits, "n16_w2_s5")[0]
         for name, fn in calls.items():
             rows = kernel_timeline(fn)
             span = max((r["end"] for r in rows), default=0.0)

@@ -1,6 +1,7 @@
 """Can the suffix decode run beside the shared-prefix level on SMs the prefix leaves free?
 
     python -m benchmarks.tune_overlap                 # the four issue shapes
+    python -m benchmarks.tune_overlap --quick         # the two-stream variants only
 
 The prefix level (128x128 tiles, one program per SM) is compute-bound, the suffix decode
 bandwidth-bound. One after the other their times add. Here the prefix is launched with
@@ -9,9 +10,12 @@ stream fills the rest; with 128-row prefix tiles (one program per SM) or 64-row 
 per SM). Each level alone is timed too, and the balanced decode alone on one-wave grids
 of 16 / 36 / 68 SMs (what a decode beside the prefix can draw). Session 3 also timed the
 decode first with a limited grid and the prefix on the remaining SMs (lost everywhere);
-session 4 a one-stream co-launch (commit a97b9ce; NOTES.md). Every two-stream variant is
+session 4 a one-stream co-launch (commit a97b9ce; NOTES.md), session 6 one with the
+per-request decode and no wait in it (commit c9935ef). Each split count is timed with the
+public path's two merges (the prefix's splits, then the levels) and with one merge of
+the prefix's split states and the decode's state together. Every two-stream variant is
 checked against the serial cascade on rotation 0 and timed in one CUDA graph over
-rotated pools.
+rotated pools. ``benchmarks/timeline.py`` shows when each of their kernels runs.
 """
 
 from __future__ import annotations
@@ -25,8 +29,7 @@ from benchmarks._common import bench_rotating, environment, markdown_table, meas
 from benchmarks.bench_cascade import BAR_SHAPES, DTYPE, MIN_POOL_BYTES, PAGE, Shape, Workload
 from cascadeinfer.cascade.multi_level import MultiLevelCascadeAttention
 from cascadeinfer.kernels import prefill as P
-from cascadeinfer.kernels.decode import (BALANCED_VARIANTS, DECODE_VARIANTS, _batch_decode_paged,
-                                         _launch_per_request, batch_decode_paged)
+from cascadeinfer.kernels.decode import BALANCED_VARIANTS, _batch_decode_paged, batch_decode_paged
 from cascadeinfer.kernels.merge import merge_state, merge_states
 from cascadeinfer.layouts.paged_cache import unpack_paged_kv_cache
 
@@ -106,41 +109,6 @@ def one_merge(wl: Workload, prefix_splits: int):
     return [call(i) for i in range(wl.rot)]
 
 
-def colaunch(wl: Workload, prefix_splits: int, decode_cfg: str | None = None):
-    """One stream: the prefix level (which calls ``gdc_launch_dependents`` as it starts),
-    then the per-request suffix decode as its programmatic dependent launch (placed only once
-    every prefix program is resident, so it takes the SMs the prefix grid leaves free and,
-    being many short programs in several waves, each SM a prefix program frees), then one
-    ``merge_states`` over the prefix's split states and the decode's state. Nothing in the
-    decode waits for the prefix: whether the merge still sees the prefix complete (the
-    decode grid's completion implying its primary's) is what the timeline checks.
-    ``decode_cfg``: a DECODE_VARIANTS name (None: the default pick)."""
-    s = wl.shape
-    qo, kp, ki, kl = wl.tables()
-    cfg = P.groups_tile_config(s.batch, 1, s.hq // s.hkv, s.head_dim, DTYPE)
-    dcfg = DECODE_VARIANTS[decode_cfg] if decode_cfg else None
-    bufs = [(torch.empty(s.batch, prefix_splits + 1, s.hq, s.head_dim, device=q.device, dtype=DTYPE),
-             torch.empty(s.batch, prefix_splits + 1, s.hq, device=q.device), torch.empty_like(q),
-             torch.empty(q.shape[:2], device=q.device)) for q in wl.qs]
-
-    def call(i):
-        q, pool = wl.qs[i], wl.pools[i]
-        part_o, part_lse, out, lse = bufs[i]
-        kv = unpack_paged_kv_cache(pool, "NHD")
-        source = P._paged_source(kv, kp[0], ki[0], kl[0])
-
-        def run():
-            P._launch(q, qo[0], source, part_o[:, :prefix_splits], part_lse[:, :prefix_splits], causal=False,
-                      sm_scale=s.head_dim ** -0.5, config=cfg, launch_dependents=True)
-            _launch_per_request(q, kv, kp[1], ki[1], kl[1], part_o[:, prefix_splits], part_lse[:, prefix_splits],
-                                s.head_dim ** -0.5, 1, dcfg, after_primary=True)
-            merge_states(part_o, part_lse, out=out, out_lse=lse)
-            return out, lse
-        return run
-
-    return [call(i) for i in range(wl.rot)]
-
-
 def decode_on_few_sms(wl: Workload, programs: int, dcfg):
     """The balanced suffix decode alone on a one-wave grid of ``programs`` per kv head: its
     bandwidth on the SMs a prefix grid would leave free."""
@@ -195,9 +163,6 @@ def main() -> None:
         for splits in sorted({max(1, full - k) for k in range(0, 4)} | {max(1, full * 3 // 4)}):
             variants[f"prefix s{splits} ({pairs * splits} progs) then decode"] = (two_streams, splits, "both")
             variants[f"prefix s{splits} ({pairs * splits} progs) then decode, one merge"] = (one_merge, splits)
-            for dname in (None, "n16_w2_s5"):
-                variants[f"prefix s{splits} ({pairs * splits} progs), co-launched decode {dname or 'default'}"] = (
-                    colaunch, splits, dname)
         best = ("serial", serial)
         for name, (make, *spec) in variants.items():
             try:

@@ -125,8 +125,7 @@ def compile_sm90(cfg: P.TileConfig, address: P.AddressPath):
                  kv_indices_ptr="*i32", kv_last_page_len_ptr="*i32")
     const = dict(GROUP_SIZE=4, PAGE_SIZE=16, HEAD_DIM=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                  BLOCK_D=128, PAGED=True, CAUSAL=False, ONE_GROUP=False, DOT_PRECISION="tf32",
-                 OFFSETS_32=address.offsets_32, ALIGNED_PAGES=address.aligned_pages,
-                 LAUNCH_DEPENDENTS=False)
+                 OFFSETS_32=address.offsets_32, ALIGNED_PAGES=address.aligned_pages)
     sig = {n: "constexpr" if n in const else types[n] for n in fn.arg_names}
     aligned = [n for n in fn.arg_names if n not in const and (n.endswith("_ptr") or n.startswith("stride_"))
                and n not in ("stride_ls", "stride_lh")]

@@ -605,10 +605,8 @@ def _launch_balanced(q, kv: PagedKV, kv_indptr, kv_indices, kv_last_page_len, ou
 
 
 def _launch_per_request(q, kv: PagedKV, kv_indptr, kv_indices, kv_last_page_len, out, lse, scale: float,
-                        num_splits: int | None, config: DecodeConfig | None, after_primary: bool = False) -> None:
-    """The per-request schedule (this module's kernel, then merge_states' for splits > 1).
-    ``after_primary``: launch as a programmatic dependent of the kernel before it in the
-    stream (which calls ``gdc_launch_dependents`` and writes nothing this reads)."""
+                        num_splits: int | None, config: DecodeConfig | None) -> None:
+    """The per-request schedule (this module's kernel, then merge_states' for splits > 1)."""
     device = q.device
     batch, num_qo_heads, head_dim = q.shape
     cfg = config if config is not None else pick_decode_config(
@@ -648,7 +646,6 @@ def _launch_per_request(q, kv: PagedKV, kv_indptr, kv_indices, kv_last_page_len,
         lse.stride(0), lse.stride(1),
         *part_strides,
         **meta,
-        **(dict(launch_pdl=True) if after_primary else {}),
     )
     if split:
         # Stage 2 (inputs checked here already: the internal launcher, no second check).

@@ -64,7 +64,6 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
 
 from cascadeinfer._checks import (
     FLOAT_DTYPES,
@@ -379,12 +378,7 @@ def _prefill_kernel(
     DOT_PRECISION: tl.constexpr,
     OFFSETS_32: tl.constexpr,  # unmasked loop: K/V row offsets in int32 (every pool offset < 2**31)
     ALIGNED_PAGES: tl.constexpr,  # unmasked loop, paged, BLOCK_N % PAGE_SIZE == 0: page math hoisted
-    LAUNCH_DEPENDENTS: tl.constexpr,  # the next kernel in the stream is a programmatic dependent launch
 ):
-    if LAUNCH_DEPENDENTS:
-        # Once every program of this grid has started, the next kernel may take the SMs
-        # this grid leaves free (it must not read what this grid writes).
-        gdc_launch_dependents()
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -700,7 +694,6 @@ def _launch(
     sm_scale: float,
     config: TileConfig,
     address: AddressPath | None = None,
-    launch_dependents: bool = False,
 ) -> None:
     """Run the kernel into ``o_dest [nnz_qo, S, Hq, D]`` and ``lse_dest [nnz_qo, S, Hq]``.
 
@@ -750,7 +743,6 @@ def _launch(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         OFFSETS_32=address.offsets_32,
         ALIGNED_PAGES=address.aligned_pages,
-        LAUNCH_DEPENDENTS=launch_dependents,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
