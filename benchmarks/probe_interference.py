@@ -36,11 +36,9 @@ from benchmarks._common import (
     bench_rotating, environment, load_flashinfer, markdown_table, measure_ceilings, write_json)
 from benchmarks.bench_cascade import BAR_SHAPES, DTYPE, MIN_POOL_BYTES, PAGE, Shape, Workload, fi_cascade
 from benchmarks.timeline import kernel_timeline
+from benchmarks.tune_overlap import two_streams
 from cascadeinfer.cascade.multi_level import MultiLevelCascadeAttention
-from cascadeinfer.kernels import prefill as P
-from cascadeinfer.kernels.decode import DECODE_VARIANTS, _batch_decode_paged
-from cascadeinfer.kernels.merge import merge_state
-from cascadeinfer.layouts.paged_cache import unpack_paged_kv_cache
+from cascadeinfer.kernels.decode import DECODE_VARIANTS
 
 _SMI_FIELDS = "clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
 
@@ -78,40 +76,9 @@ def sampled_clocks(fn, seconds: float = 1.2) -> dict:
     return dict(mhz=round(num(0)), watts=round(num(1)), temp=round(num(2)), reasons=hex(reasons))
 
 
-def cascade_call(wl: Workload, splits: int, *, prefix_idx=None, suffix_idx=None, config=None, parts="both"):
-    """Rotation 0's two-stream cascade with the given page lists / decode config."""
-    s = wl.shape
-    qo, kp, ki, kl = wl.tables()
-    prefix_idx = ki[0] if prefix_idx is None else prefix_idx
-    suffix_idx = ki[1] if suffix_idx is None else suffix_idx
-    q, pool = wl.qs[0], wl.pools[0]
-    side = torch.cuda.Stream()
-    o_p, o_s, out = (torch.empty_like(q) for _ in range(3))
-    l_p, l_s, lse = (torch.empty(q.shape[:2], device=q.device) for _ in range(3))
-    source = P._paged_source(unpack_paged_kv_cache(pool, "NHD"), kp[0], prefix_idx, kl[0])
-
-    def prefix():
-        P._run(q, qo[0], source, o_p, l_p, causal=False, sm_scale=s.head_dim ** -0.5, num_splits=splits)
-
-    def suffix():
-        _batch_decode_paged(q, pool, kp[1], suffix_idx, kl[1], kv_layout="NHD", sm_scale=None, num_splits=None,
-                            schedule="per_request", out=o_s, lse=l_s, validate=False, config=config)
-
-    def run():
-        if parts == "prefix":
-            return prefix()
-        if parts == "suffix":
-            return suffix()
-        main = torch.cuda.current_stream()
-        side.wait_stream(main)
-        prefix()
-        with torch.cuda.stream(side):
-            suffix()
-        main.wait_stream(side)
-        merge_state(o_p, l_p, o_s, l_s, out=out, out_lse=lse)
-        return out, lse
-
-    return run
+def cascade_call(wl: Workload, splits: int, parts: str = "both", **kw):
+    """Rotation 0's two-stream cascade (tune_overlap's), with the given page lists / decode config."""
+    return two_streams(wl, splits, parts, **kw)[0]
 
 
 def kernel_durations(fn) -> dict:
@@ -165,17 +132,17 @@ def main() -> None:
             "prefix from L2": cascade_call(wl, splits, prefix_idx=few_prefix),
             "decode from L2": cascade_call(wl, splits, suffix_idx=few_suffix),
             "both from L2": cascade_call(wl, splits, prefix_idx=few_prefix, suffix_idx=few_suffix),
-            f"prefix alone s{splits}": cascade_call(wl, splits, parts="prefix"),
-            "prefix alone from L2": cascade_call(wl, splits, prefix_idx=few_prefix, parts="prefix"),
-            "decode alone": cascade_call(wl, splits, parts="suffix"),
+            f"prefix alone s{splits}": cascade_call(wl, splits, "prefix"),
+            "prefix alone from L2": cascade_call(wl, splits, "prefix", prefix_idx=few_prefix),
+            "decode alone": cascade_call(wl, splits, "suffix"),
             f"two streams s{splits + 1}": cascade_call(wl, splits + 1),
-            f"prefix alone s{splits + 1}": cascade_call(wl, splits + 1, parts="prefix"),
+            f"prefix alone s{splits + 1}": cascade_call(wl, splits + 1, "prefix"),
         }
         if fi is not None:
             variants["FlashInfer fa2 cascade"] = fi_cascade(fi, wl).call(0)
         for name, cfg in DECODE_VARIANTS.items():
             variants[f"decode {name} beside"] = cascade_call(wl, splits, config=cfg)
-            variants[f"decode {name} alone"] = cascade_call(wl, splits, config=cfg, parts="suffix")
+            variants[f"decode {name} alone"] = cascade_call(wl, splits, "suffix", config=cfg)
         ref = variants[f"two streams s{splits}"]()
         o_ref, lse_ref = (t.clone() for t in ref)
         for name, fn in variants.items():

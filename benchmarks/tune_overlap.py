@@ -34,10 +34,16 @@ from cascadeinfer.kernels.merge import merge_state, merge_states
 from cascadeinfer.layouts.paged_cache import unpack_paged_kv_cache
 
 
-def two_streams(wl: Workload, prefix_splits: int, parts: str = "both"):
+def two_streams(wl: Workload, prefix_splits: int, parts: str = "both", *, prefix_idx=None, suffix_idx=None,
+                config=None):
     """Closures over each rotation: prefix (main stream) and suffix decode (side stream), merged;
-    ``parts`` = "prefix" / "suffix" times one level alone."""
+    ``parts`` = "prefix" / "suffix" times one level alone. ``prefix_idx`` / ``suffix_idx``
+    replace a level's page list (benchmarks.probe_interference); ``config``, a
+    ``DECODE_VARIANTS`` entry, runs the per-request decode with it (None: the public default)."""
     qo, kp, ki, kl = wl.tables()
+    prefix_idx = ki[0] if prefix_idx is None else prefix_idx
+    suffix_idx = ki[1] if suffix_idx is None else suffix_idx
+    schedule = None if config is None else "per_request"
     side = torch.cuda.Stream()
     bufs = [(torch.empty_like(q), torch.empty(q.shape[:2], device=q.device), torch.empty_like(q),
              torch.empty(q.shape[:2], device=q.device), torch.empty_like(q), torch.empty(q.shape[:2], device=q.device))
@@ -46,14 +52,15 @@ def two_streams(wl: Workload, prefix_splits: int, parts: str = "both"):
     def call(i):
         q, pool = wl.qs[i], wl.pools[i]
         o_p, l_p, o_s, l_s, out, lse = bufs[i]
-        source = P._paged_source(unpack_paged_kv_cache(pool, "NHD"), kp[0], ki[0], kl[0])
+        source = P._paged_source(unpack_paged_kv_cache(pool, "NHD"), kp[0], prefix_idx, kl[0])
 
         def prefix():
             P._run(q, qo[0], source, o_p, l_p, causal=False, sm_scale=wl.shape.head_dim ** -0.5,
                    num_splits=prefix_splits)
 
         def suffix():
-            batch_decode_paged(q, pool, kp[1], ki[1], kl[1], out=o_s, lse=l_s, validate=False)
+            _batch_decode_paged(q, pool, kp[1], suffix_idx, kl[1], kv_layout="NHD", sm_scale=None, num_splits=None,
+                                schedule=schedule, out=o_s, lse=l_s, validate=False, config=config)
 
         def run():
             if parts == "prefix":
