@@ -83,6 +83,8 @@ DTYPE = torch.bfloat16
 LN2 = math.log(2.0)
 
 BAR_SHAPES = ((64, 8192, 256), (128, 32768, 512), (256, 4096, 128), (16, 65536, 1024))  # (batch, prefix, suffix)
+# Short shared prefixes, where the cascade's win is small and launch and host costs weigh most.
+SHORT_PREFIX_SHAPES = ((8, 128, 2048), (64, 256, 256), (256, 1024, 64), (512, 1024, 64))
 BAR_HEADS = ((8, 128),)  # (Hkv, head_dim)
 GENERALITY_HEADS = ((1, 128), (32, 128), (8, 64), (8, 256))
 FI_PREBUILT_HEAD_DIMS = (128,)  # the AOT package ships bf16 head_dim 128 kernels only

@@ -13,17 +13,27 @@ into the same device buffers, so a captured graph replays with the new tables.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from cascadeinfer._checks import FLOAT_DTYPES, check_tensor, default_sm_scale, normalize_device
+from cascadeinfer._checks import (
+    FLOAT_DTYPES,
+    check_last_dim_contiguous,
+    check_tensor,
+    default_sm_scale,
+    normalize_device,
+    use_triton,
+)
 from cascadeinfer.cascade.plan import HostLevel, choose_cascade, flat_page_table, host_levels
-from cascadeinfer.kernels.decode import pick_decode_schedule
-from cascadeinfer.kernels.prefill import paged_num_splits
+from cascadeinfer.kernels.decode import batch_decode_paged, pick_decode_schedule
+from cascadeinfer.kernels.launch import LaunchCache, Recording, call_key, recording
+from cascadeinfer.kernels.merge import merge_state
+from cascadeinfer.kernels.prefill import batch_prefill_paged, paged_num_splits
+from cascadeinfer.layouts.paged_cache import cache_tensors, check_kv_layout, unpack_paged_kv_cache
 from cascadeinfer.ops import split_cache
-from cascadeinfer.layouts.paged_cache import check_kv_layout, unpack_paged_kv_cache
 
 
 @dataclass(slots=True)
@@ -87,6 +97,10 @@ class MultiLevelCascadeAttention:
         self._overlap = False
         self._stream: torch.cuda.Stream | None = None
         self._planned = False
+        # Recorded runs by call signature (see run); valid while the launches a plan makes
+        # stay the same (_launch_signature).
+        self._launches = LaunchCache(maxsize=8)
+        self._launch_signature: tuple | None = None
 
     def plan(
         self,
@@ -185,34 +199,68 @@ class MultiLevelCascadeAttention:
         self.num_tokens = int(levels[0].qo_indptr[-1])
         self.causal = bool(causal)
         self.sm_scale = default_sm_scale(head_dim, sm_scale)
+        self.pages_needed = max((int(lv.kv_indices.max()) + 1 for lv in levels if lv.kv_indices.numel()), default=0)
+        signature = self._signature()
+        if signature != self._launch_signature:
+            self._launches.clear()
+            self._launch_signature = signature
         self._planned = True
 
-    def _level_state(self, level: _DeviceLevel, q, k_cache, v_cache, causal, sm_scale, out, lse) -> None:
-        """One level's state into ``out``/``lse``, through the custom ops (see cascadeinfer.ops)."""
-        if level.decode:
+    def _signature(self) -> tuple:
+        """Everything the recorded launches of :meth:`run` depend on besides the call's own
+        tensors: the device buffers (re-planning with tables of the same shapes fills the
+        same ones in place), every level's launch choices and the geometry."""
+        levels = self._levels if self.use_cascade else [self._flat]
+        return (
+            self.use_cascade, self._overlap, self.num_tokens, self.causal, self.sm_scale,
+            self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size,
+            *((lv.decode, lv.num_splits, lv.schedule, *((t.data_ptr(), t.shape) for t in lv.tensors()))
+              for lv in levels),
+        )
+
+    def _level_state(self, level: _DeviceLevel, q, paged_kv_cache, causal, sm_scale, out, lse) -> None:
+        """One level's state into ``out``/``lse``: the public launchers (validate=False;
+        plan() checked the tables), or their custom ops while ``torch.compile`` traces."""
+        if torch.compiler.is_compiling():
+            k_cache, v_cache = split_cache(paged_kv_cache)
+            if level.decode:
+                torch.ops.cascadeinfer.batch_decode_paged(
+                    q, k_cache, v_cache, level.kv_indptr, level.kv_indices, level.kv_last_page_len,
+                    self.kv_layout, sm_scale, None, out, lse, level.schedule)
+            else:
+                torch.ops.cascadeinfer.batch_prefill_paged(
+                    q, level.qo_indptr, k_cache, v_cache, level.kv_indptr, level.kv_indices,
+                    level.kv_last_page_len, causal, self.kv_layout, sm_scale, level.num_splits, out, lse)
+        elif level.decode:
             # One query per group: causal changes nothing (the query sees every key).
-            torch.ops.cascadeinfer.batch_decode_paged(
-                q, k_cache, v_cache, level.kv_indptr, level.kv_indices, level.kv_last_page_len,
-                self.kv_layout, sm_scale, None, out, lse, level.schedule)
+            batch_decode_paged(q, paged_kv_cache, level.kv_indptr, level.kv_indices, level.kv_last_page_len,
+                               kv_layout=self.kv_layout, sm_scale=sm_scale, schedule=level.schedule,
+                               out=out, lse=lse, validate=False)
         else:
-            torch.ops.cascadeinfer.batch_prefill_paged(
-                q, level.qo_indptr, k_cache, v_cache, level.kv_indptr, level.kv_indices,
-                level.kv_last_page_len, causal, self.kv_layout, sm_scale, level.num_splits, out, lse)
+            batch_prefill_paged(q, level.qo_indptr, paged_kv_cache, level.kv_indptr, level.kv_indices,
+                                level.kv_last_page_len, causal=causal, kv_layout=self.kv_layout, sm_scale=sm_scale,
+                                num_splits=level.num_splits, out=out, lse=lse, validate=False)
+
+    def _merge(self, o_a, lse_a, o_b, lse_b, out, lse) -> None:
+        if torch.compiler.is_compiling():
+            torch.ops.cascadeinfer.merge_state(o_a, lse_a, o_b, lse_b, out, lse)
+        else:
+            merge_state(o_a, lse_a, o_b, lse_b, out=out, out_lse=lse, validate=False)
 
     def _side_stream(self) -> torch.cuda.Stream:
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
         return self._stream
 
-    def _merged_levels(self, levels, q, k_cache, v_cache, sm_scale):
+    def _merged_levels(self, levels, q, paged_kv_cache, sm_scale):
         """The merged state of ``levels`` (none of them the last, so never causal)."""
         o_acc, lse_acc = torch.empty_like(q), torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-        self._level_state(levels[0], q, k_cache, v_cache, False, sm_scale, o_acc, lse_acc)
+        self._level_state(levels[0], q, paged_kv_cache, False, sm_scale, o_acc, lse_acc)
         for level in levels[1:]:
             o_i, lse_i = torch.empty_like(o_acc), torch.empty_like(lse_acc)
-            self._level_state(level, q, k_cache, v_cache, False, sm_scale, o_i, lse_i)
+            self._level_state(level, q, paged_kv_cache, False, sm_scale, o_i, lse_i)
             o_next, lse_next = torch.empty_like(o_acc), torch.empty_like(lse_acc)
-            torch.ops.cascadeinfer.merge_state(o_acc, lse_acc, o_i, lse_i, o_next, lse_next)
+            self._merge(o_acc, lse_acc, o_i, lse_i, o_next, lse_next)
             o_acc, lse_acc = o_next, lse_next
         return o_acc, lse_acc
 
@@ -230,7 +278,8 @@ class MultiLevelCascadeAttention:
 
         Args:
             q: the query tokens of the plan, fp16/bf16/fp32, last dim contiguous.
-            paged_kv_cache: the paged cache (single tensor or ``(k, v)``) in the planned layout.
+            paged_kv_cache: the paged cache (single tensor or ``(k, v)``) in the planned
+                layout, with at least as many pages as the plan's tables index.
             out: optional output buffer like ``q``.
             lse: optional float32 ``[num_tokens, num_qo_heads]`` buffer for the LSE.
             return_lse: return ``(o, lse)`` instead of ``o``.
@@ -238,43 +287,141 @@ class MultiLevelCascadeAttention:
 
         Returns ``o`` (like ``q``), or ``(o, lse)`` with the natural-log LSE in float32;
         a token that sees no key gets ``(0, -inf)``. No host synchronisation.
+
+        Host cost: the first call of a signature (the shapes, strides, dtypes and
+        alignment of ``q``, the cache, ``out`` and ``lse``, and ``sm_scale``) after
+        :meth:`plan` checks them and records the kernel launches; later calls replay
+        them (:mod:`cascadeinfer.kernels.launch`): a few µs a kernel. The plan owns the
+        intermediate states, so runs of one plan must be ordered (one stream, or
+        synchronised streams), as with one workspace buffer.
         """
         if not self._planned:
             raise RuntimeError("MultiLevelCascadeAttention.run called before plan()")
+        if torch.compiler.is_compiling():
+            return self._run_traced(q, paged_kv_cache, out, lse, return_lse, sm_scale)
+        key = call_key(q, paged_kv_cache, out, lse, sm_scale)
+        launches = self._launches.get(key)
+        if launches is None:
+            self._check_run(q, paged_kv_cache, out, lse)
+            if not use_triton(q.device):  # the PyTorch path launches nothing to replay
+                return self._run_traced(q, paged_kv_cache, out, lse, return_lse, sm_scale)
+            launches = self._record(q, paged_kv_cache, sm_scale)
+            self._launches.put(key, launches)
+        if out is None:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if lse is None:
+            lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        launches.replay((q, *cache_tensors(paged_kv_cache), out, lse))
+        return (out, lse) if return_lse else out
+
+    def _check_run(self, q, paged_kv_cache, out, lse) -> None:
+        """Every check of a run's arguments against the plan (shapes only, no sync)."""
         check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES, device=self.device,
                      shape=(self.num_tokens, self.num_qo_heads, self.head_dim))
+        check_last_dim_contiguous("q", q)
         kv = unpack_paged_kv_cache(paged_kv_cache, self.kv_layout)
         if (kv.page_size, kv.num_kv_heads, kv.head_dim) != (self.page_size, self.num_kv_heads, self.head_dim):
             raise ValueError(
                 f"paged_kv_cache: planned for page_size={self.page_size}, num_kv_heads={self.num_kv_heads}, "
                 f"head_dim={self.head_dim}; got {kv.page_size}, {kv.num_kv_heads}, {kv.head_dim}")
+        if kv.dtype != q.dtype:
+            raise TypeError(f"paged_kv_cache: expected dtype {q.dtype} (the dtype of q), got {kv.dtype}")
+        if kv.device != q.device:
+            raise ValueError(f"paged_kv_cache: expected a tensor on {q.device} (like q), got {kv.device}")
+        if kv.num_pages < self.pages_needed:
+            raise ValueError(
+                f"paged_kv_cache: the plan's tables index page {self.pages_needed - 1}, but the cache has "
+                f"{kv.num_pages} pages")
+        if out is not None:
+            check_tensor("out", out, dtypes=(q.dtype,), device=q.device, shape=tuple(q.shape))
+            check_last_dim_contiguous("out", out)
+        if lse is not None:
+            check_tensor("lse", lse, dtypes=(torch.float32,), device=q.device, shape=tuple(q.shape[:2]))
+
+    def _record(self, q, paged_kv_cache, sm_scale) -> _Launches:
+        """Run once with fresh outputs, recording the launches of each stream's part."""
+        scale = self.sm_scale if sm_scale is None else default_sm_scale(self.head_dim, sm_scale)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        roots = (q, *cache_tensors(paged_kv_cache), out, lse)
+        if not self.use_cascade or self.num_levels == 1:
+            level = self._levels[0] if self.use_cascade else self._flat
+            with recording(roots, keep_scratch=True) as only:
+                self._level_state(level, q, paged_kv_cache, self.causal, scale, out, lse)
+            return _Launches(only)
+        # The intermediate states live in the recordings (the plan's own buffers).
+        o_last, lse_last = torch.empty_like(out), torch.empty_like(lse)
+        side = self._side_stream() if self._overlap else None
+        with recording(roots, keep_scratch=True) as upper:
+            o_up, lse_up = self._merged_levels(self._levels[:-1], q, paged_kv_cache, scale)
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(q.device))
+        with recording(roots, keep_scratch=True) as last, _on(side):
+            self._level_state(self._levels[-1], q, paged_kv_cache, self.causal, scale, o_last, lse_last)
+        if side is not None:
+            torch.cuda.current_stream(q.device).wait_stream(side)
+        with recording(roots, keep_scratch=True) as merge:
+            self._merge(o_up, lse_up, o_last, lse_last, out, lse)
+        return _Launches(upper, last, merge, side)
+
+    def _run_traced(self, q, paged_kv_cache, out, lse, return_lse, sm_scale):
+        """``run`` without recordings: every check, then the levels one after the other on
+        the caller's stream; through the custom ops (opaque to the tracer) while
+        ``torch.compile`` traces, and on the PyTorch path for plain CPU tensors."""
+        self._check_run(q, paged_kv_cache, out, lse)
         scale = self.sm_scale if sm_scale is None else default_sm_scale(self.head_dim, sm_scale)
         if out is None:
             out = torch.empty_like(q)
         if lse is None:
             lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-        k_cache, v_cache = split_cache(paged_kv_cache)
-        if not self.use_cascade:
-            self._level_state(self._flat, q, k_cache, v_cache, self.causal, scale, out, lse)
-        elif self.num_levels == 1:
-            self._level_state(self._levels[0], q, k_cache, v_cache, self.causal, scale, out, lse)
+        if not self.use_cascade or self.num_levels == 1:
+            level = self._levels[0] if self.use_cascade else self._flat
+            self._level_state(level, q, paged_kv_cache, self.causal, scale, out, lse)
         else:
+            o_up, lse_up = self._merged_levels(self._levels[:-1], q, paged_kv_cache, scale)
             o_last, lse_last = torch.empty_like(q), torch.empty_like(lse)
-            last = lambda: self._level_state(  # noqa: E731
-                self._levels[-1], q, k_cache, v_cache, self.causal, scale, o_last, lse_last)
-            side = self._side_stream() if self._overlap and not torch.compiler.is_compiling() else None
-            if side is None:
-                o_up, lse_up = self._merged_levels(self._levels[:-1], q, k_cache, v_cache, scale)
-                last()
-            else:
-                # Prefill levels (compute-bound, on the current stream) first, so that their
-                # programs take their share of the SMs; the decode level (bandwidth-bound)
-                # fills the others from a side stream. Both streams only read q and the cache.
-                main = torch.cuda.current_stream(q.device)
-                side.wait_stream(main)
-                o_up, lse_up = self._merged_levels(self._levels[:-1], q, k_cache, v_cache, scale)
-                with torch.cuda.stream(side):
-                    last()
-                main.wait_stream(side)
-            torch.ops.cascadeinfer.merge_state(o_up, lse_up, o_last, lse_last, out, lse)
+            self._level_state(self._levels[-1], q, paged_kv_cache, self.causal, scale, o_last, lse_last)
+            self._merge(o_up, lse_up, o_last, lse_last, out, lse)
         return (out, lse) if return_lse else out
+
+
+@contextlib.contextmanager
+def _on(stream: torch.cuda.Stream | None):
+    """``torch.cuda.stream(stream)``, or nothing for None."""
+    if stream is None:
+        yield
+    else:
+        with torch.cuda.stream(stream):
+            yield
+
+
+class _Launches:
+    """A plan's recorded run: the levels above the last (caller's stream), the last level
+    (on ``side`` when it runs beside them), and the final merge."""
+
+    def __init__(self, upper: Recording, last: Recording | None = None, merge: Recording | None = None,
+                 side: torch.cuda.Stream | None = None) -> None:
+        self.upper, self.last, self.merge, self.side = upper, last, merge, side
+        self.valid = all(r.valid for r in (upper, last, merge) if r is not None)
+        if side is not None:
+            self._fork, self._join = torch.cuda.Event(), torch.cuda.Event()
+
+    def replay(self, roots) -> None:
+        if self.last is None:
+            self.upper.replay(roots)
+            return
+        if self.side is None:
+            self.upper.replay(roots)
+            self.last.replay(roots)
+            self.merge.replay(roots)
+            return
+        # The side stream starts after what the caller enqueued before (q, the cache),
+        # and the merge after both streams' levels, as in the recorded run.
+        main = torch.cuda.current_stream(roots[0].device)
+        self._fork.record(main)
+        self.side.wait_event(self._fork)
+        self.upper.replay(roots, main.cuda_stream)
+        self.last.replay(roots, self.side.cuda_stream)
+        self._join.record(self.side)
+        main.wait_event(self._join)
+        self.merge.replay(roots, main.cuda_stream)

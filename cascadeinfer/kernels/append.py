@@ -28,8 +28,9 @@ from cascadeinfer._checks import (
     next_power_of_2,
     use_triton,
 )
+from cascadeinfer.kernels.launch import LaunchCache, call_key, launch, recorded
 from cascadeinfer.layouts.page_table import get_seq_lens, validate_page_table
-from cascadeinfer.layouts.paged_cache import PagedKV, PagedKVCache, unpack_paged_kv_cache
+from cascadeinfer.layouts.paged_cache import PagedKV, PagedKVCache, cache_tensors, unpack_paged_kv_cache
 
 
 @triton.jit
@@ -184,18 +185,41 @@ def append_paged_kv_cache(
     lie inside its row (``0 <= p < seq_len``) and no two tokens may target one slot.
     ``kv_last_page_len`` is read only by that check. Returns ``None``.
     """
+    key = call_key(append_key, append_value, batch_indices, positions, paged_kv_cache, kv_indices, kv_indptr,
+                   kv_last_page_len, kv_layout)
+    roots = (append_key, append_value, batch_indices, positions, *cache_tensors(paged_kv_cache),
+             kv_indices, kv_indptr, kv_last_page_len)
+    rec = _LAUNCHES.get(key)
+    if rec is not None:  # a call of this signature passed every shape check already
+        if validate and not capturing():
+            kv = unpack_paged_kv_cache(paged_kv_cache, kv_layout)
+            validate_page_table(kv_indptr, kv_indices, kv_last_page_len, kv.page_size, kv.num_pages)
+            _check_targets(batch_indices, positions, kv_indptr, kv_indices, kv_last_page_len, kv.page_size)
+        rec.replay(roots)
+        return
     kv = _check_append_args(append_key, append_value, batch_indices, positions, paged_kv_cache,
                             kv_indices, kv_indptr, kv_last_page_len, kv_layout, validate)
     nnz = append_key.shape[0]
-    if nnz == 0:
-        return
     if not use_triton(kv.device):
-        _append_torch(append_key, append_value, batch_indices, positions, kv, kv_indices, kv_indptr)
+        if nnz:
+            _append_torch(append_key, append_value, batch_indices, positions, kv, kv_indices, kv_indptr)
         return
+    with recorded(_LAUNCHES, key, roots):
+        if nnz:
+            _launch(append_key, append_value, batch_indices, positions, kv, kv_indices, kv_indptr)
+
+
+# Recordings of append_paged_kv_cache's calls, by signature (see cascadeinfer.kernels.launch).
+_LAUNCHES = LaunchCache()
+
+
+def _launch(append_key, append_value, batch_indices, positions, kv: PagedKV, kv_indices, kv_indptr) -> None:
+    nnz = append_key.shape[0]
     block_d = next_power_of_2(kv.head_dim)
     block_h = min(next_power_of_2(kv.num_kv_heads), max(1, 4096 // block_d))
     grid = (nnz, triton.cdiv(kv.num_kv_heads, block_h))
-    _append_paged_kv_kernel[grid](
+    launch(
+        _append_paged_kv_kernel, grid,
         append_key, append_value, batch_indices, positions, kv.k, kv.v, kv_indices, kv_indptr,
         append_key.stride(0), append_key.stride(1), append_value.stride(0), append_value.stride(1),
         kv.stride_page, kv.stride_token, kv.stride_head,

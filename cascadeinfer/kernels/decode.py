@@ -63,7 +63,8 @@ from cascadeinfer._checks import (
 from cascadeinfer.kernels import decode_balanced as balanced
 from cascadeinfer.kernels import merge as merge_mod
 from cascadeinfer.kernels.decode_balanced import attend_tile
-from cascadeinfer.layouts.paged_cache import PagedKV, PagedKVCache, unpack_paged_kv_cache
+from cascadeinfer.kernels.launch import LaunchCache, call_key, launch, recorded, scratch
+from cascadeinfer.layouts.paged_cache import PagedKV, PagedKVCache, cache_tensors, unpack_paged_kv_cache
 
 LOG2E = 1.4426950408889634  # log2(e): natural-log scores -> base-2 scores
 _LN2 = tl.constexpr(0.6931471805599453)  # ln(2): base-2 LSE -> natural-log LSE (used in the kernel)
@@ -521,19 +522,42 @@ def batch_decode_paged(
     The launch reads nothing from the device (grid from shapes only), so the call can be
     captured in a CUDA graph and replayed after the page table is changed in place (the
     balanced schedule: any lengths and total, as long as ``kv_indices`` is long enough).
+
+    Host cost: the first call with a given signature (shapes, strides, dtypes, alignment,
+    options) checks every argument, plans and launches; later calls with that signature
+    replay its launches directly (:mod:`cascadeinfer.kernels.launch`), with
+    ``validate=False`` the hot path an engine takes.
     """
-    return _batch_decode_paged(
-        q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, kv_layout=kv_layout,
-        sm_scale=sm_scale, num_splits=num_splits, schedule=schedule, out=out, lse=lse, validate=validate,
-        config=None,
-    )
+    key = call_key(q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, out, lse,
+                   kv_layout, sm_scale, num_splits, schedule)
+    rec = _LAUNCHES.get(key)
+    if rec is None:
+        return _batch_decode_paged(
+            q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, kv_layout=kv_layout,
+            sm_scale=sm_scale, num_splits=num_splits, schedule=schedule, out=out, lse=lse, validate=validate,
+            config=None, key=key,
+        )
+    # The recorded call had this signature, so every shape, dtype and device check passed.
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if lse is None:
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    if validate and not capturing():
+        _check_page_table(unpack_paged_kv_cache(paged_kv_cache, kv_layout), kv_indptr, kv_indices, kv_last_page_len)
+    rec.replay((q, *cache_tensors(paged_kv_cache), kv_indptr, kv_indices, kv_last_page_len, out, lse))
+    return out, lse
+
+
+# Recordings of batch_decode_paged's calls, by signature (see cascadeinfer.kernels.launch).
+_LAUNCHES = LaunchCache()
 
 
 def _batch_decode_paged(
     q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, *, kv_layout, sm_scale,
-    num_splits, schedule, out, lse, validate, config: DecodeConfig | None,
+    num_splits, schedule, out, lse, validate, config: DecodeConfig | None, key=None,
 ):
-    """:func:`batch_decode_paged` with the stage-1 launch parameters given (None: the default)."""
+    """:func:`batch_decode_paged` with every check, the stage-1 launch parameters given
+    (None: the default); with ``key``, its launches are recorded under that key."""
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     check_last_dim_contiguous("q", q)
     kv = unpack_paged_kv_cache(paged_kv_cache, kv_layout)
@@ -572,18 +596,20 @@ def _batch_decode_paged(
         check_tensor("lse", lse, dtypes=(torch.float32,), device=device, shape=(batch, num_qo_heads))
     if validate and not capturing():
         _check_page_table(kv, kv_indptr, kv_indices, kv_last_page_len)
-    if batch == 0:
-        return out, lse
-
     if not use_triton(device):
-        o_ref, lse_ref = batch_decode_paged_ref(q, kv, kv_indptr, kv_indices, kv_last_page_len, sm_scale=scale)
-        out.copy_(o_ref)
-        lse.copy_(lse_ref)
+        if batch:
+            o_ref, lse_ref = batch_decode_paged_ref(q, kv, kv_indptr, kv_indices, kv_last_page_len, sm_scale=scale)
+            out.copy_(o_ref)
+            lse.copy_(lse_ref)
         return out, lse
-    if schedule == "balanced":
-        _launch_balanced(q, kv, kv_indptr, kv_indices, kv_last_page_len, out, lse, scale, num_splits, config)
-    else:
-        _launch_per_request(q, kv, kv_indptr, kv_indices, kv_last_page_len, out, lse, scale, num_splits, config)
+    roots = (q, *cache_tensors(paged_kv_cache), kv_indptr, kv_indices, kv_last_page_len, out, lse)
+    with recorded(_LAUNCHES, key, roots):
+        if batch == 0:
+            pass
+        elif schedule == "balanced":
+            _launch_balanced(q, kv, kv_indptr, kv_indices, kv_last_page_len, out, lse, scale, num_splits, config)
+        else:
+            _launch_per_request(q, kv, kv_indptr, kv_indices, kv_last_page_len, out, lse, scale, num_splits, config)
     return out, lse
 
 
@@ -631,13 +657,14 @@ def _launch_per_request(q, kv: PagedKV, kv_indptr, kv_indices, kv_last_page_len,
     grid = (batch * kv.num_kv_heads * num_splits,)
     if split:
         # fp32 partial states; stage 2 merges them straight into out (cast at the store)
-        part_o = torch.empty((batch, num_splits, num_qo_heads, head_dim), dtype=torch.float32, device=device)
-        part_lse = torch.empty((batch, num_splits, num_qo_heads), dtype=torch.float32, device=device)
+        part_o = scratch((batch, num_splits, num_qo_heads, head_dim), torch.float32, device)
+        part_lse = scratch((batch, num_splits, num_qo_heads), torch.float32, device)
         part_strides = (*part_o.stride()[:3], *part_lse.stride())
     else:
         part_o, part_lse = out, lse  # not touched
         part_strides = (0, 0, 0, 0, 0, 0)
-    _decode_kernel[grid](
+    launch(
+        _decode_kernel, grid,
         q, kv.k, kv.v, kv_indptr, kv_indices, kv_last_page_len, out, lse, part_o, part_lse,
         scale * LOG2E, kv.num_kv_heads, num_splits,
         q.stride(0), q.stride(1),

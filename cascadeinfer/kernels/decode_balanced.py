@@ -52,6 +52,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from cascadeinfer._checks import next_power_of_2
+from cascadeinfer.kernels.launch import launch, scratch
 from cascadeinfer.layouts.paged_cache import PagedKV
 
 _LOG2E = tl.constexpr(1.4426950408889634)  # log2(e), inside kernels
@@ -416,9 +417,10 @@ def launch_balanced(
     block_d = max(16, next_power_of_2(head_dim))
     # Scratch for the partial states, slot p + r (see the module docstring); only the
     # segments that do not cover their whole request write one.
-    part_o = torch.empty((programs + batch, num_qo_heads, head_dim), dtype=torch.float32, device=device)
-    part_lse = torch.empty((programs + batch, num_qo_heads), dtype=torch.float32, device=device)
-    _balanced_kernel[(programs * kv.num_kv_heads,)](
+    part_o = scratch((programs + batch, num_qo_heads, head_dim), torch.float32, device)
+    part_lse = scratch((programs + batch, num_qo_heads), torch.float32, device)
+    launch(
+        _balanced_kernel, (programs * kv.num_kv_heads,),
         q, kv.k, kv.v, kv_indptr, kv_indices, kv_last_page_len, out, lse, part_o, part_lse,
         qk_scale, batch, kv.num_kv_heads, programs, min_pages,
         q.stride(0), q.stride(1),
@@ -444,7 +446,8 @@ def launch_balanced(
         # With PDL every stage-2 program waits for stage 1 before it exits, even one with
         # nothing to merge, so stage 2's completion implies stage 1's for later work.
         extra = dict(launch_pdl=True) if pdl else {}
-        _balanced_merge_kernel[(programs, triton.cdiv(num_qo_heads, _MERGE_BLOCK_H))](
+        launch(
+            _balanced_merge_kernel, (programs, triton.cdiv(num_qo_heads, _MERGE_BLOCK_H)),
             kv_indptr, part_o, part_lse, out, lse, batch, programs, min_pages, num_qo_heads,
             part_o.stride(0), part_o.stride(1),
             part_lse.stride(0), part_lse.stride(1),

@@ -61,6 +61,10 @@ from cascadeinfer._checks import (
     next_power_of_2,
     use_triton,
 )
+from cascadeinfer.kernels.launch import LaunchCache, call_key, launch, recorded
+
+# Recordings of the public merges' calls, by signature (see cascadeinfer.kernels.launch).
+_MERGE_STATE, _MERGE_IN_PLACE, _MERGE_STATES, _MERGE_RAGGED = (LaunchCache() for _ in range(4))
 
 _LOG2E = tl.constexpr(math.log2(math.e))  # natural log -> log2: multiply by log2(e)
 _LN2 = tl.constexpr(math.log(2.0))  # log2 -> natural log: multiply by ln(2)
@@ -322,7 +326,8 @@ def _launch_two(v_a, s_a, v_b, s_b, out, out_lse, mask, *, config=None) -> None:
     block_h, block_d, num_warps = config or _tile_config(n, num_heads, head_dim, v_a.element_size(), v_a.device,
                                                          _TWO_TILE)
     mask_bytes = v_a if mask is None else mask.view(torch.uint8)
-    _merge_two_kernel[_grid("v_a", n, num_heads, block_h)](
+    launch(
+        _merge_two_kernel, _grid("v_a", n, num_heads, block_h),
         v_a, s_a, v_b, s_b, out, out_lse, mask_bytes,
         num_heads,
         v_a.stride(0), v_a.stride(1),
@@ -361,7 +366,8 @@ def _launch_many(v, s, indptr, out, out_lse, *, config=None, unroll=None) -> Non
         s_strides = (s.stride(0), s.stride(1), s.stride(2))
     block_h, block_d, num_warps = config or _tile_config(n, num_heads, head_dim, v.element_size(), v.device)
     unroll = unroll or _unroll(per_row, n * triton.cdiv(num_heads, block_h) < _min_programs(v.device))
-    _merge_many_kernel[_grid("v", n, num_heads, block_h)](
+    launch(
+        _merge_many_kernel, _grid("v", n, num_heads, block_h),
         v, s, indptr if ragged else s, out, out_lse,
         num_states, num_heads,
         *v_strides, *s_strides,
@@ -377,11 +383,14 @@ def _launch_many(v, s, indptr, out, out_lse, *, config=None, unroll=None) -> Non
 
 
 def _output(name: str, t, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, *,
-            any_float: bool = False) -> torch.Tensor:
-    """A caller's output tensor, checked, or a fresh one of ``dtype``. With ``any_float``
-    a given tensor may have any of FLOAT_DTYPES."""
+            any_float: bool = False, checked: bool = False) -> torch.Tensor:
+    """A caller's output tensor, checked (unless ``checked``: a call of the same signature
+    passed the checks already), or a fresh one of ``dtype``. With ``any_float`` a given
+    tensor may have any of FLOAT_DTYPES."""
     if t is None:
         return torch.empty(shape, dtype=dtype, device=device)
+    if checked:
+        return t
     check_tensor(name, t, dtypes=FLOAT_DTYPES if any_float else (dtype,), device=device, shape=shape)
     if len(shape) == 3:
         check_last_dim_contiguous(name, t)
@@ -465,6 +474,7 @@ def merge_state(
     *,
     out: torch.Tensor | None = None,
     out_lse: torch.Tensor | None = None,
+    validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge two attention states.
 
@@ -473,20 +483,31 @@ def merge_state(
         s_a, s_b: ``[n, H]`` float32 natural-log LSE; ``-inf`` marks an empty state.
         out: optional ``[n, H, D]`` output of v's dtype; may be ``v_a`` or ``v_b`` itself.
         out_lse: optional ``[n, H]`` float32 output; may be ``s_a`` or ``s_b`` itself.
+        validate: check that the outputs overlap no input other than as allowed above
+            (host arithmetic on addresses, no sync). Shapes, dtypes and devices are
+            always checked.
 
     Returns:
         ``(v, s)``: ``v [n, H, D]`` in v's dtype, ``s [n, H]`` float32 natural-log LSE of
         the union. Two empties give ``(0, -inf)``. An LSE of ``+inf`` or NaN gives
         ``(NaN, NaN)`` in that (row, head) only (see the module docstring).
     """
-    _check_states(("v_a", "s_a"), v_a, s_a, 3)
-    n, num_heads, head_dim = v_a.shape
-    _check_states(("v_b", "s_b"), v_b, s_b, 3, shape=v_a.shape, dtype=v_a.dtype, device=v_a.device)
-    out = _output("out", out, (n, num_heads, head_dim), v_a.dtype, v_a.device)
-    out_lse = _output("out_lse", out_lse, (n, num_heads), torch.float32, v_a.device)
-    _check_aliasing((("out", out), ("out_lse", out_lse)),
-                    (("v_a", v_a), ("s_a", s_a), ("v_b", v_b), ("s_b", s_b)))
-    _merge_two(v_a, s_a, v_b, s_b, out, out_lse, None)
+    key = call_key(v_a, s_a, v_b, s_b, out, out_lse)
+    rec = _MERGE_STATE.get(key)
+    if rec is None:
+        _check_states(("v_a", "s_a"), v_a, s_a, 3)
+        _check_states(("v_b", "s_b"), v_b, s_b, 3, shape=v_a.shape, dtype=v_a.dtype, device=v_a.device)
+    out = _output("out", out, v_a.shape, v_a.dtype, v_a.device, checked=rec is not None)
+    out_lse = _output("out_lse", out_lse, v_a.shape[:2], torch.float32, v_a.device, checked=rec is not None)
+    if validate or rec is None:
+        _check_aliasing((("out", out), ("out_lse", out_lse)),
+                        (("v_a", v_a), ("s_a", s_a), ("v_b", v_b), ("s_b", s_b)))
+    roots = (v_a, s_a, v_b, s_b, out, out_lse)
+    if rec is not None:
+        rec.replay(roots)
+        return out, out_lse
+    with recorded(_MERGE_STATE, key, roots):
+        _merge_two(v_a, s_a, v_b, s_b, out, out_lse, None)
     return out, out_lse
 
 
@@ -496,6 +517,8 @@ def merge_state_in_place(
     v_other: torch.Tensor,
     s_other: torch.Tensor,
     mask: torch.Tensor | None = None,
+    *,
+    validate: bool = True,
 ) -> None:
     """Merge ``(v_other, s_other)`` into ``(v, s)``, overwriting ``v`` and ``s``.
 
@@ -505,18 +528,28 @@ def merge_state_in_place(
         v_other: ``[n, H, D]`` of v's dtype; s_other: ``[n, H]`` float32 natural log.
         mask: optional bool ``[n]``; only rows marked True are merged, the others are
             neither read nor written (they stay bit for bit).
+        validate: check that ``v``/``s`` overlap neither other input (no sync).
 
     LSE conventions as in :func:`merge_state`.
     """
-    _check_states(("v", "s"), v, s, 3)
-    n, num_heads, head_dim = v.shape
-    _check_states(("v_other", "s_other"), v_other, s_other, 3, shape=v.shape, dtype=v.dtype, device=v.device)
-    _output("v", v, (n, num_heads, head_dim), v.dtype, v.device)
-    _output("s", s, (n, num_heads), torch.float32, v.device)
-    if mask is not None:
-        check_tensor("mask", mask, dtypes=(torch.bool,), device=v.device, shape=(n,))
-    _check_aliasing((("v", v), ("s", s)), (("v_other", v_other), ("s_other", s_other)))
-    _merge_two(v, s, v_other, s_other, v, s, mask)
+    key = call_key(v, s, v_other, s_other, mask)
+    rec = _MERGE_IN_PLACE.get(key)
+    if rec is None:
+        _check_states(("v", "s"), v, s, 3)
+        n, num_heads, head_dim = v.shape
+        _check_states(("v_other", "s_other"), v_other, s_other, 3, shape=v.shape, dtype=v.dtype, device=v.device)
+        _output("v", v, (n, num_heads, head_dim), v.dtype, v.device)
+        _output("s", s, (n, num_heads), torch.float32, v.device)
+        if mask is not None:
+            check_tensor("mask", mask, dtypes=(torch.bool,), device=v.device, shape=(n,))
+    if validate or rec is None:
+        _check_aliasing((("v", v), ("s", s)), (("v_other", v_other), ("s_other", s_other)))
+    roots = (v, s, v_other, s_other) + (() if mask is None else (mask,))
+    if rec is not None:
+        rec.replay(roots)
+        return
+    with recorded(_MERGE_IN_PLACE, key, roots):
+        _merge_two(v, s, v_other, s_other, v, s, mask)
 
 
 def _merge_two(v_a, s_a, v_b, s_b, out, out_lse, mask) -> None:
@@ -540,6 +573,7 @@ def merge_states(
     *,
     out: torch.Tensor | None = None,
     out_lse: torch.Tensor | None = None,
+    validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge ``num_states`` attention states per row (e.g. the partial states of split-KV).
 
@@ -550,21 +584,30 @@ def merge_states(
             float dtype is cast to at the store, e.g. fp32 partial states merged straight
             into a bf16 output); may be ``v[:, j]`` itself when it has v's dtype.
         out_lse: optional ``[n, H]`` float32 output; may be ``s[:, j]`` itself.
+        validate: check the outputs' overlap with the inputs (no sync).
 
     Returns:
         ``(v [n, H, D], s [n, H])``: the merged state, LSE float32 natural log. A row
         whose states are all empty (or ``num_states == 0``) gives ``(0, -inf)``; an LSE of
         ``+inf`` or NaN gives ``(NaN, NaN)`` in that (row, head) only.
     """
-    _check_states(("v", "s"), v, s, 4)
-    n, num_states, num_heads, head_dim = v.shape
-    out = _output("out", out, (n, num_heads, head_dim), v.dtype, v.device, any_float=True)
-    out_lse = _output("out_lse", out_lse, (n, num_heads), torch.float32, v.device)
-    _check_aliasing((("out", out), ("out_lse", out_lse)), (("v", v), ("s", s)), state_slices=True)
+    key = call_key(v, s, out, out_lse)
+    rec = _MERGE_STATES.get(key)
+    if rec is None:
+        _check_states(("v", "s"), v, s, 4)
+    shape = (v.shape[0], *v.shape[2:])
+    out = _output("out", out, shape, v.dtype, v.device, any_float=True, checked=rec is not None)
+    out_lse = _output("out_lse", out_lse, shape[:2], torch.float32, v.device, checked=rec is not None)
+    if validate or rec is None:
+        _check_aliasing((("out", out), ("out_lse", out_lse)), (("v", v), ("s", s)), state_slices=True)
+    if rec is not None:
+        rec.replay((v, s, out, out_lse))
+        return out, out_lse
     if out.numel() == 0 and out_lse.numel() == 0:
         return out, out_lse
     if use_triton(v.device):
-        _launch_dense(v, s, out, out_lse)
+        with recorded(_MERGE_STATES, key, (v, s, out, out_lse)):
+            _launch_dense(v, s, out, out_lse)
     else:
         o, lse = merge_states_ref(v, s)
         out.copy_(o)
@@ -599,22 +642,30 @@ def merge_states_ragged(
         ``(v [n, H, D], s [n, H])``, LSE float32 natural log; a row with no states gives
         ``(0, -inf)``; an LSE of ``+inf`` or NaN gives ``(NaN, NaN)`` in that (row, head).
     """
-    _check_states(("v", "s"), v, s, 3)
-    nnz, num_heads, head_dim = v.shape
-    check_int32_vector("indptr", indptr, v.device)
-    if indptr.numel() == 0:
-        raise ValueError("indptr: expected n + 1 >= 1 entries, got an empty tensor")
-    n = indptr.numel() - 1
-    out = _output("out", out, (n, num_heads, head_dim), v.dtype, v.device, any_float=True)
-    out_lse = _output("out_lse", out_lse, (n, num_heads), torch.float32, v.device)
-    _check_aliasing((("out", out), ("out_lse", out_lse)), (("v", v), ("s", s), ("indptr", indptr)),
-                    exact_ok=False)
+    key = call_key(v, s, indptr, out, out_lse)
+    rec = _MERGE_RAGGED.get(key)
+    if rec is None:
+        _check_states(("v", "s"), v, s, 3)
+        check_int32_vector("indptr", indptr, v.device)
+        if indptr.numel() == 0:
+            raise ValueError("indptr: expected n + 1 >= 1 entries, got an empty tensor")
+    shape = (indptr.shape[0] - 1, *v.shape[1:])
+    out = _output("out", out, shape, v.dtype, v.device, any_float=True, checked=rec is not None)
+    out_lse = _output("out_lse", out_lse, shape[:2], torch.float32, v.device, checked=rec is not None)
+    if validate or rec is None:
+        _check_aliasing((("out", out), ("out_lse", out_lse)), (("v", v), ("s", s), ("indptr", indptr)),
+                        exact_ok=False)
     if validate and not capturing():
-        _check_indptr(indptr, nnz)
+        _check_indptr(indptr, v.shape[0])
+    roots = (v, s, indptr, out, out_lse)
+    if rec is not None:
+        rec.replay(roots)
+        return out, out_lse
     if out.numel() == 0 and out_lse.numel() == 0:
         return out, out_lse
     if use_triton(v.device):
-        _launch_many(v, s, indptr, out, out_lse)
+        with recorded(_MERGE_RAGGED, key, roots):
+            _launch_many(v, s, indptr, out, out_lse)
     else:
         o, lse = merge_states_ragged_ref(v, s, indptr)
         out.copy_(o)

@@ -77,11 +77,18 @@ from cascadeinfer._checks import (
     same_device,
     use_triton,
 )
+from cascadeinfer.kernels.launch import LaunchCache, call_key, launch, recorded, scratch
 from cascadeinfer.kernels.merge import merge_states
 from cascadeinfer.kernels.reference import attention_state_ref
 from cascadeinfer.layouts.indptr import validate_indptr
 from cascadeinfer.layouts.page_table import validate_page_table
-from cascadeinfer.layouts.paged_cache import PagedKV, PagedKVCache, gather_paged_kv, unpack_paged_kv_cache
+from cascadeinfer.layouts.paged_cache import (
+    PagedKV,
+    PagedKVCache,
+    cache_tensors,
+    gather_paged_kv,
+    unpack_paged_kv_cache,
+)
 
 LOG2E = math.log2(math.e)  # natural log -> log2 units: scores are scaled by sm_scale * LOG2E
 _LN2 = tl.constexpr(math.log(2.0))  # log2 -> natural log at the store
@@ -718,7 +725,8 @@ def _launch(
     elif (address.offsets_32 and not safe.offsets_32) or (address.aligned_pages and not safe.aligned_pages):
         raise ValueError(f"address: {address} is not exact for these shapes (allowed at most {safe})")
     grid = (num_tiles, kv.num_kv_heads, num_splits)
-    _prefill_kernel[grid](
+    launch(
+        _prefill_kernel, grid,
         q, kv.k, kv.v, o_dest, lse_dest,
         dummy if one_group else qo_indptr,
         dummy if one_group else kv.indptr,
@@ -775,8 +783,8 @@ def _run(
         return out, lse
     # One partial state per split (o in q's dtype, as merge_states takes one dtype; LSE
     # float32). Every (row, split) is written, an empty split as the identity (0, -inf).
-    part_o = torch.empty((nnz_qo, num_splits, num_qo_heads, head_dim), dtype=q.dtype, device=q.device)
-    part_lse = torch.empty((nnz_qo, num_splits, num_qo_heads), dtype=torch.float32, device=q.device)
+    part_o = scratch((nnz_qo, num_splits, num_qo_heads, head_dim), q.dtype, q.device)
+    part_lse = scratch((nnz_qo, num_splits, num_qo_heads), torch.float32, q.device)
     _launch(q, qo_indptr, kv, part_o, part_lse, causal=causal, sm_scale=sm_scale, config=config, address=address)
     merge_states(part_o, part_lse, out=out, out_lse=lse)
     return out, lse
@@ -804,17 +812,19 @@ def _check_kv_matches_q(q: torch.Tensor, kv_name: str, dtype: torch.dtype, num_k
         )
 
 
-def _outputs(q: torch.Tensor, out: torch.Tensor | None, lse: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The caller's ``out``/``lse`` after checks, or fresh ones: o like q, lse float32 [nnz_qo, Hq]."""
+def _outputs(q: torch.Tensor, out: torch.Tensor | None, lse: torch.Tensor | None, *,
+             checked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The caller's ``out``/``lse`` after checks (none when ``checked``: a call of the same
+    signature passed them), or fresh ones: o like q, lse float32 [nnz_qo, Hq]."""
     nnz_qo, num_qo_heads, _ = q.shape
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    else:
+    elif not checked:
         check_tensor("out", out, ndim=3, dtypes=(q.dtype,), device=q.device, shape=tuple(q.shape))
         check_last_dim_contiguous("out", out)
     if lse is None:
         lse = torch.empty((nnz_qo, num_qo_heads), dtype=torch.float32, device=q.device)
-    else:
+    elif not checked:
         check_tensor("lse", lse, ndim=2, dtypes=(torch.float32,), device=q.device, shape=(nnz_qo, num_qo_heads))
     return out, lse
 
@@ -892,6 +902,17 @@ def batch_prefill_paged(
     ``num_qo_heads`` must be a multiple of ``num_kv_heads``. No host reads on the launch
     path (with ``validate=False``), so the call can be captured in a CUDA graph.
     """
+    key = call_key(q, qo_indptr, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, out, lse,
+                   causal, kv_layout, sm_scale, num_splits)
+    rec = _PAGED.get(key)
+    if rec is not None:  # a call of this signature passed every shape check already
+        out, lse = _outputs(q, out, lse, checked=True)
+        if validate and not capturing():
+            kv = unpack_paged_kv_cache(paged_kv_cache, kv_layout)
+            validate_page_table(kv_indptr, kv_indices, kv_last_page_len, kv.page_size, kv.num_pages)
+            validate_indptr("qo_indptr", qo_indptr, total=q.shape[0])
+        rec.replay((q, qo_indptr, *cache_tensors(paged_kv_cache), kv_indptr, kv_indices, kv_last_page_len, out, lse))
+        return out, lse
     _check_q(q)
     _check_flag("causal", causal)
     if num_splits is not None and (not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1):
@@ -914,7 +935,14 @@ def batch_prefill_paged(
         )
         return _store(out, lse, o64, lse64)
     source = _paged_source(kv, kv_indptr, kv_indices, kv_last_page_len)
-    return _run(q, qo_indptr, source, out, lse, causal=causal, sm_scale=scale, num_splits=num_splits)
+    roots = (q, qo_indptr, *cache_tensors(paged_kv_cache), kv_indptr, kv_indices, kv_last_page_len, out, lse)
+    with recorded(_PAGED, key, roots):
+        _run(q, qo_indptr, source, out, lse, causal=causal, sm_scale=scale, num_splits=num_splits)
+    return out, lse
+
+
+# Recordings of the public prefill launchers' calls, by signature (cascadeinfer.kernels.launch).
+_PAGED, _RAGGED, _SHARED = LaunchCache(), LaunchCache(), LaunchCache()
 
 
 def _ragged_source(q: torch.Tensor, k: object, v: object, kv_indptr: torch.Tensor | None) -> _KVSource:
@@ -955,22 +983,31 @@ def batch_prefill_ragged(
         ``(o, lse)``: ``o`` like ``q``; ``lse`` float32 ``[nnz_qo, num_qo_heads]``, natural
         log; ``(0, -inf)`` for a query that sees no key.
     """
-    _check_q(q)
-    _check_flag("causal", causal)
-    source = _ragged_source(q, k, v, kv_indptr)
-    _check_qo_indptr(qo_indptr, q.device)
-    check_int32_vector("kv_indptr", kv_indptr, q.device, length=qo_indptr.shape[0])
-    scale = default_sm_scale(q.shape[2], sm_scale)
-    out, lse = _outputs(q, out, lse)
+    key = call_key(q, qo_indptr, k, v, kv_indptr, out, lse, causal, sm_scale)
+    rec = _RAGGED.get(key)
+    if rec is None:
+        _check_q(q)
+        _check_flag("causal", causal)
+        source = _ragged_source(q, k, v, kv_indptr)
+        _check_qo_indptr(qo_indptr, q.device)
+        check_int32_vector("kv_indptr", kv_indptr, q.device, length=qo_indptr.shape[0])
+        scale = default_sm_scale(q.shape[2], sm_scale)
+    out, lse = _outputs(q, out, lse, checked=rec is not None)
     if validate and not capturing():
         validate_indptr("qo_indptr", qo_indptr, total=q.shape[0])
         validate_indptr("kv_indptr", kv_indptr)
         if kv_indptr[-1].item() > k.shape[0]:
             raise ValueError(f"kv_indptr: last entry {kv_indptr[-1].item()} exceeds nnz_kv = {k.shape[0]} keys in k")
+    roots = (q, qo_indptr, k, v, kv_indptr, out, lse)
+    if rec is not None:
+        rec.replay(roots)
+        return out, lse
     if not use_triton(q.device):
         o64, lse64 = batch_prefill_ragged_ref(q, qo_indptr, k, v, kv_indptr, causal=causal, sm_scale=scale)
         return _store(out, lse, o64, lse64)
-    return _run(q, qo_indptr, source, out, lse, causal=causal, sm_scale=scale)
+    with recorded(_RAGGED, key, roots):
+        _run(q, qo_indptr, source, out, lse, causal=causal, sm_scale=scale)
+    return out, lse
 
 
 def shared_prefix_attention(
@@ -995,6 +1032,12 @@ def shared_prefix_attention(
 
     Reads no index tensor at all: the KV split count and the grid come from the shapes.
     """
+    key = call_key(q, k, v, out, lse, sm_scale)
+    rec = _SHARED.get(key)
+    if rec is not None:
+        out, lse = _outputs(q, out, lse, checked=True)
+        rec.replay((q, k, v, out, lse))
+        return out, lse
     _check_q(q)
     source = _ragged_source(q, k, v, None)
     scale = default_sm_scale(q.shape[2], sm_scale)
@@ -1002,7 +1045,9 @@ def shared_prefix_attention(
     if not use_triton(q.device):
         o64, lse64 = attention_state_ref(q, k, v, sm_scale=scale)
         return _store(out, lse, o64, lse64)
-    return _run(q, None, source, out, lse, causal=False, sm_scale=scale)
+    with recorded(_SHARED, key, (q, k, v, out, lse)):
+        _run(q, None, source, out, lse, causal=False, sm_scale=scale)
+    return out, lse
 
 
 # --------------------------------------------------------------------------------------

@@ -105,6 +105,14 @@ def unpack_paged_kv_cache(paged_kv_cache: PagedKVCache, kv_layout: str = "NHD") 
     )
 
 
+def cache_tensors(paged_kv_cache: PagedKVCache) -> tuple[torch.Tensor, ...]:
+    """The tensors of a paged cache: ``(cache,)`` for the single tensor, ``(k, v)`` for the
+    tuple form (no checks: for callers that have checked the cache already)."""
+    if isinstance(paged_kv_cache, torch.Tensor):
+        return (paged_kv_cache,)
+    return tuple(paged_kv_cache)
+
+
 def page_tokens(kv: PagedKV, which: str, pages: torch.Tensor) -> torch.Tensor:
     """K or V of ``pages`` as ``[len(pages) * page_size, num_kv_heads, head_dim]`` (a copy)."""
     t = (kv.k if which == "k" else kv.v)[pages.long()]

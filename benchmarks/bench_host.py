@@ -1,0 +1,231 @@
+"""Host cost per call and eager wall time: the speed an engine gets without CUDA graphs.
+
+Run from the repository root on a GPU machine:
+
+    python -m benchmarks.bench_host                    # both tables, FlashInfer beside ours
+    python -m benchmarks.bench_host --json PATH        # also every row as JSON
+
+**Host cost** is the CPU time to enqueue one call: every call is timed on its own with
+``time.perf_counter_ns`` while the GPU is kept busy (a ``torch.cuda._sleep`` enqueued
+before each batch of calls, long enough that no launch waits on the device), median over
+``--calls`` calls (1000 by default), after a warm-up that compiles and records. It is
+measured in ``torch.inference_mode()`` and outside it. Rows (bf16, Hq 32, Hkv 8, D 128,
+page 16, two levels: one prefix group + each request's suffix):
+
+* ours ``MultiLevelCascadeAttention.run``: the cascade (forced), the flat decode (forced),
+  and three levels (the prefix cut in two);
+* ours single launchers with ``validate=False``: ``batch_decode_paged`` on the flat table,
+  ``batch_prefill_paged`` on the prefix level, ``merge_state``, ``merge_states`` (4
+  states), ``append_paged_kv_cache`` (one token per request);
+* ours ``plan()`` of the two-level batch (host tables in, includes its device copies);
+* FlashInfer: its fastest cascade ``run`` (two fa2 ``BatchPrefillWithPagedKVCacheWrapper``
+  levels + ``merge_state_in_place``) and ``BatchDecodeWithPagedKVCacheWrapper.run``
+  (tensor cores) on the flat table.
+
+**Eager wall time** is ``triton.testing.do_bench`` (median, L2 flushed before every call,
+no CUDA graph) of the public ``run`` (the planner's choice) against FlashInfer's eager
+cascade, at bench_cascade's bar shapes and its short-prefix shapes, beside our
+CUDA-graph time (``bench_cascade``'s rotated-pool timing) at the bar shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import triton
+
+from benchmarks._common import environment, load_flashinfer, markdown_table
+from benchmarks.bench_cascade import (
+    BAR_SHAPES,
+    DTYPE,
+    MAX_ROTATIONS,
+    MIN_POOL_BYTES,
+    PAGE,
+    SHORT_PREFIX_SHAPES,
+    Shape,
+    Workload,
+    fi_cascade,
+    make_timer,
+    ours,
+)
+from cascadeinfer import (
+    MultiLevelCascadeAttention,
+    append_paged_kv_cache,
+    batch_decode_paged,
+    batch_prefill_paged,
+    get_batch_indices_positions,
+    get_seq_lens,
+    merge_state,
+    merge_states,
+)
+
+HOST_SHAPES = ((64, 8192, 256), (4, 16384, 16384), (8, 128, 2048))  # (batch, prefix, suffix)
+BATCH_OF_CALLS = 50
+PLAN_REQUESTS = (256, 4096, 128)
+
+
+def host_us(fn: Callable[[], object], calls: int, device: torch.device) -> float:
+    """Median CPU microseconds to enqueue one ``fn()`` (see the module docstring)."""
+    for _ in range(3):  # compile, record, settle
+        fn()
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+    times = []
+    while len(times) < calls:
+        if cuda:
+            torch.cuda._sleep(40_000_000)  # ~20 ms of GPU time: the batch enqueues behind it
+        for _ in range(min(BATCH_OF_CALLS, calls - len(times))):
+            t0 = time.perf_counter_ns()
+            fn()
+            times.append(time.perf_counter_ns() - t0)
+        if cuda:
+            torch.cuda.synchronize(device)
+    return statistics.median(times) / 1e3
+
+
+def _three_levels(wl: Workload) -> MultiLevelCascadeAttention:
+    """The prefix cut into two levels of one group each (the first half of its pages, then
+    the rest), then each request's suffix."""
+    s = wl.shape
+    half = s.prefix_pages // 2
+    i32 = dict(dtype=torch.int32, device=wl.device)
+    prefix = wl.kv_indices[0]
+    qo = [wl.qo_indptr[0], wl.qo_indptr[0], wl.qo_indptr[1]]
+    kp = [torch.tensor([0, half], **i32), torch.tensor([0, s.prefix_pages - half], **i32), wl.kv_indptr[1]]
+    ki = [prefix[:half].contiguous(), prefix[half:].contiguous(), wl.kv_indices[1]]
+    kl = [torch.tensor([PAGE if half else 0], **i32), wl.kv_last[0], wl.kv_last[1]]
+    attn = MultiLevelCascadeAttention(3, device=wl.device)
+    attn.plan(qo, kp, ki, kl, s.hq, s.hkv, s.head_dim, PAGE, num_pages=wl.num_pages, use_cascade=True)
+    return attn
+
+
+def host_rows(shape: Shape, fi, calls: int, device: torch.device) -> list[dict]:
+    """Every host-cost row of one shape, in and out of inference mode."""
+    wl = Workload(shape, device, seed=7, min_pool_bytes=MIN_POOL_BYTES, max_rot=1)
+    s = wl.shape
+    q, pool = wl.qs[0], wl.pools[0]
+    out, lse = wl.out_buffers()[0][0], wl.out_buffers()[1][0]
+    casc, flat = ours(wl, True), ours(wl, False)
+    three = _three_levels(wl)
+    states = torch.randn(s.batch, 4, s.hq, s.head_dim, device=device, dtype=DTYPE)
+    state_lse = torch.randn(s.batch, 4, s.hq, device=device)
+    seq_lens = get_seq_lens(wl.flat_indptr, wl.flat_last, PAGE)
+    append_indptr = torch.arange(s.batch + 1, dtype=torch.int32, device=device)
+    rows_b, pos = get_batch_indices_positions(append_indptr, seq_lens, s.batch)
+    new_k = torch.randn(s.batch, s.hkv, s.head_dim, device=device, dtype=DTYPE)
+    calls_by_name: dict[str, Callable[[], object]] = {
+        "ours run, cascade": casc.call(0),
+        "ours run, flat": flat.call(0),
+        "ours run, 3 levels": lambda: three.run(q, pool, out=out),
+        "ours batch_decode_paged": lambda: batch_decode_paged(
+            q, pool, wl.flat_indptr, wl.flat_indices, wl.flat_last, validate=False),
+        "ours batch_prefill_paged (prefix level)": lambda: batch_prefill_paged(
+            q, wl.qo_indptr[0], pool, wl.kv_indptr[0], wl.kv_indices[0], wl.kv_last[0], validate=False),
+        "ours merge_state": lambda: merge_state(states[:, 0], state_lse[:, 0], states[:, 1], state_lse[:, 1],
+                                                validate=False),
+        "ours merge_states (4 states)": lambda: merge_states(states, state_lse, validate=False),
+        "ours append_paged_kv_cache": lambda: append_paged_kv_cache(
+            new_k, new_k, rows_b, pos, pool, wl.flat_indices, wl.flat_indptr, wl.flat_last, validate=False),
+    }
+    if fi is not None:
+        calls_by_name["FlashInfer cascade run (fa2 x2 + merge)"] = fi_cascade(fi, wl).call(0)
+        w = fi.BatchDecodeWithPagedKVCacheWrapper(torch.zeros(256 * 2**20, dtype=torch.uint8, device=device),
+                                                  "NHD", use_tensor_cores=True)
+        w.plan(wl.flat_indptr, wl.flat_indices, wl.flat_last, s.hq, s.hkv, s.head_dim, PAGE,
+               q_data_type=DTYPE, kv_data_type=DTYPE)
+        calls_by_name["FlashInfer decode run (tensor cores)"] = lambda: w.run(q, pool, out=out)
+    rows = []
+    for name, fn in calls_by_name.items():
+        row = dict(call=name, batch=s.batch, prefix=s.prefix, suffix=s.suffix)
+        for mode in ("inference", "grad"):
+            with torch.inference_mode() if mode == "inference" else contextlib.nullcontext():
+                row[f"{mode}_us"] = host_us(fn, calls, device)
+        rows.append(row)
+    return rows
+
+
+def plan_row(fi, calls: int, device: torch.device) -> dict:
+    """``plan()`` of PLAN_REQUESTS requests (host tables, as an engine's scheduler has them)."""
+    batch, prefix, suffix = PLAN_REQUESTS
+    wl = Workload(Shape(batch, prefix, suffix), device, seed=3, min_pool_bytes=0, max_rot=1)
+    s = wl.shape
+    tables = [[t.cpu() for t in ts] for ts in wl.tables()]
+    attn = MultiLevelCascadeAttention(2, device=device)
+
+    def plan():
+        attn.plan(*tables, s.hq, s.hkv, s.head_dim, PAGE, num_pages=wl.num_pages)
+
+    times = []
+    for i in range(max(20, calls // 20) + 3):
+        t0 = time.perf_counter_ns()
+        plan()
+        if i >= 3:
+            times.append(time.perf_counter_ns() - t0)
+    return dict(call=f"ours plan(), {batch} requests", batch=batch, prefix=prefix, suffix=suffix,
+                grad_us=statistics.median(times) / 1e3)
+
+
+def wall_rows(shapes, fi, device: torch.device, graph: bool, rep_ms: int) -> list[dict]:
+    """Eager do_bench medians of ours (planner's choice) and FlashInfer's cascade; with
+    ``graph`` also our CUDA-graph time with rotated pools."""
+    rows = []
+    for b, p, x in shapes:
+        wl = Workload(Shape(b, p, x), device, seed=11, min_pool_bytes=MIN_POOL_BYTES,
+                      max_rot=MAX_ROTATIONS if graph else 1)
+        m = ours(wl, None)
+        row = dict(batch=b, prefix=p, suffix=x, pick=m.pick)
+        eager = lambda f: triton.testing.do_bench(f, warmup=50, rep=rep_ms, return_mode="median") * 1e3  # noqa: E731
+        row["ours_eager_us"] = eager(m.call(0))
+        if fi is not None:
+            row["fi_eager_us"] = eager(fi_cascade(fi, wl).call(0))
+        if graph:
+            row["ours_graph_us"] = make_timer(device, rep_ms)([m.call(i) for i in range(wl.rot)]) * 1e6
+            row["eager_over_graph"] = row["ours_eager_us"] / row["ours_graph_us"]
+        rows.append(row)
+        del wl
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calls", type=int, default=1000, help="timed calls per host-cost row")
+    ap.add_argument("--rep-ms", type=int, default=200, help="do_bench repetition time")
+    ap.add_argument("--json", metavar="PATH", help="write every row and the environment here")
+    ap.add_argument("--no-wall", action="store_true", help="host cost only")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_host needs a CUDA device")
+    device = torch.device("cuda", torch.cuda.current_device())
+    fi = load_flashinfer()
+    env = environment()
+    print(f"# {env}", flush=True)
+    host = []
+    for shape in HOST_SHAPES:
+        host += host_rows(Shape(*shape), fi, args.calls, device)
+        print(f"# host cost rows done for {shape}", flush=True)
+    host.append(plan_row(fi, args.calls, device))
+    print("\n## Host cost per call (µs of CPU, median)\n")
+    print(markdown_table(host, ["call", "batch", "prefix", "suffix", "inference_us", "grad_us"]))
+    wall = []
+    if not args.no_wall:
+        wall = wall_rows(BAR_SHAPES, fi, device, True, args.rep_ms) + wall_rows(
+            SHORT_PREFIX_SHAPES, fi, device, False, args.rep_ms)
+        print("\n## Eager wall time (µs, do_bench median, L2 flushed)\n")
+        print(markdown_table(wall, ["batch", "prefix", "suffix", "pick", "ours_eager_us", "fi_eager_us",
+                                    "ours_graph_us", "eager_over_graph"]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(env=env, host=host, wall=wall), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,293 @@
+"""Recorded launches: run a launcher once, then replay its kernel launches with new tensors.
+
+Everything a launcher does on the host (argument checks, tile, split and schedule
+choices, the grid, scratch sizes) depends only on the *signature* of its call: the
+shapes, strides, dtypes, devices and 16-byte alignment of its tensors and its scalar
+options; never on tensor contents. A second call with the same signature would launch
+the same kernels with the same arguments, except for the addresses of the tensors. So a
+launcher records its first call and replays the recording afterwards:
+
+- ``recording(roots)`` runs the launcher as usual and keeps every kernel launch it makes
+  through :func:`launch`: the compiled kernel, the grid and the argument list, in which
+  each tensor argument is written as ``(root, byte offset)`` when it is a view of one of
+  ``roots`` (the caller's tensors: q, the cache, the page table, out, lse), as a slice of
+  the call's scratch buffer when it came from :func:`scratch`, and kept as it is
+  otherwise (tensors the owner of the recording keeps alive, e.g. a plan's metadata).
+- ``Recording.replay(roots)`` reads the new roots' addresses and launches the same
+  kernels. On CUDA it calls each compiled kernel's launcher directly with integer
+  addresses (a few µs a kernel, against Triton's argument binding, specialisation and
+  cache lookup plus the launcher's Python checks). Under ``TRITON_INTERPRET=1`` it
+  launches through the JIT function again with views of the new tensors, so the same
+  recording and address logic is what CI tests.
+
+A replay is exact only for a call with the recorded signature: the caller keys its
+recordings by :func:`call_key`, which holds every property the launcher's host work and
+Triton's specialisation (pointer alignment, integer values) read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+from collections.abc import Hashable, Iterator, Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+
+import torch
+from triton import knobs
+
+from cascadeinfer._checks import use_triton
+
+_SCRATCH_ALIGN = 256  # bytes: every scratch slice starts on the allocator's own alignment
+
+
+@dataclass(slots=True)
+class _Launch:
+    """One kernel launch of a recording."""
+
+    kernel: object  # the @triton.jit function (interpreter replay)
+    compiled: object  # its CompiledKernel (CUDA replay); None under the interpreter
+    grid: tuple[int, int, int]
+    args: list  # the positional arguments, every param in order (CUDA) or as given (interpreter)
+    meta: dict  # keyword arguments of the original launch (interpreter replay)
+    roots: list[tuple[int, int, int]]  # (arg index, root index, byte offset)
+    scratch: list[tuple[int, int]]  # (arg index, byte offset in the scratch buffer)
+    views: dict[int, tuple]  # arg index -> (dtype, size, stride) of the tensor it had (interpreter)
+
+
+@dataclass(slots=True)
+class Recording:
+    """The kernel launches of one launcher call, replayable with new roots.
+
+    ``keep_scratch``: the scratch tensors of the recorded call stay owned by the recording
+    and every replay reuses them (for an owner whose replays are ordered on its streams,
+    like a cascade plan); otherwise every replay carves them out of one fresh allocation.
+    """
+
+    num_roots: int
+    keep_scratch: bool
+    valid: bool = True  # False: an argument could not be traced to one root; never replay
+    launches: list[_Launch] = field(default_factory=list)
+    scratch_bytes: int = 0
+    _scratch: list[torch.Tensor] = field(default_factory=list)  # while recording
+    _scratch_offsets: list[int] = field(default_factory=list)
+    _root_spans: list[tuple[int, int, int]] = field(default_factory=list)  # (storage ptr, data ptr, index)
+
+    def replay(self, roots: Sequence[torch.Tensor], stream: int | None = None) -> None:
+        """Launch the recorded kernels on ``roots`` (same signature as when recorded),
+        on ``stream`` (a raw CUDA stream handle; default: the current stream)."""
+        if not self.launches:
+            return
+        device = roots[0].device
+        if device.type == "cuda":
+            self._replay_cuda(roots, device.index, stream)
+        else:
+            self._replay_interpreted(roots)
+
+    def _replay_cuda(self, roots, device_index: int, stream: int | None) -> None:
+        ptrs = [t.data_ptr() for t in roots]
+        base = 0
+        if self.scratch_bytes:
+            base = torch.empty(self.scratch_bytes, dtype=torch.uint8, device=roots[0].device).data_ptr()
+        if stream is None:
+            stream = torch._C._cuda_getCurrentRawStream(device_index)
+        enter, exit_ = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+        hooked = bool(enter.calls or exit_.calls)
+        for ln in self.launches:
+            args = ln.args.copy()
+            for i, r, off in ln.roots:
+                args[i] = ptrs[r] + off
+            for i, off in ln.scratch:
+                args[i] = base + off
+            c = ln.compiled
+            meta = c.launch_metadata(ln.grid, stream, *args) if hooked else None
+            c.run(*ln.grid, stream, c.function, c.packed_metadata, meta,
+                  enter if hooked else None, exit_ if hooked else None, *args)
+
+    def _replay_interpreted(self, roots) -> None:
+        buf = torch.empty(self.scratch_bytes, dtype=torch.uint8, device=roots[0].device) if self.scratch_bytes else None
+        for ln in self.launches:
+            args = ln.args.copy()
+            for i, r, off in ln.roots:
+                args[i] = _view(roots[r], off, *ln.views[i])
+            for i, off in ln.scratch:
+                args[i] = _view(buf, off, *ln.views[i])
+            ln.kernel[ln.grid](*args, **ln.meta)
+
+    # ---- recording side
+
+    def _add(self, kernel, compiled, grid, args: list, meta: dict) -> None:
+        if compiled is not None:  # CUDA: every param in signature order, constexprs included
+            given = dict(zip(kernel.arg_names, args))
+            given.update(meta)
+            args = [given[p.name] if p.name in given else p.default for p in kernel.params]
+            meta = {}
+        roots, scratch, views, kept = [], [], {}, list(args)
+        for i, a in enumerate(args):
+            if not isinstance(a, torch.Tensor):
+                continue
+            ref = self._where(a)
+            if ref is None:
+                continue  # a tensor the recording's owner keeps alive
+            if ref[0] == "ambiguous":
+                self.valid = False
+                continue
+            kind, index, off = ref
+            if kind == "root":
+                roots.append((i, index, off))
+            else:
+                scratch.append((i, off))
+            views[i] = (a.dtype, tuple(a.shape), tuple(a.stride()))
+            if kind == "root" or not self.keep_scratch:
+                kept[i] = None  # never keep the caller's tensors (or per-replay scratch) alive
+        if self.keep_scratch:
+            scratch = []  # the scratch tensors themselves stay in the argument list
+        self.launches.append(_Launch(kernel, compiled, _grid3(grid), kept, meta, roots, scratch, views))
+
+    def _where(self, t: torch.Tensor) -> tuple[str, int, int] | None:
+        storage, ptr = t.untyped_storage().data_ptr(), t.data_ptr()
+        roots = [(root_ptr, index) for root_storage, root_ptr, index in self._root_spans if root_storage == storage]
+        if len(roots) > 1:
+            # Roots that share storage (q, k and v cut from one projection): the view is
+            # of the root it starts at, else of the nearest root starting below it.
+            below = [r for r in roots if r[0] <= ptr]
+            if not below or sum(r[0] == max(below)[0] for r in below) > 1:
+                return "ambiguous", -1, 0
+            roots = [max(below)]
+        if roots:
+            root_ptr, index = roots[0]
+            return "root", index, ptr - root_ptr
+        for index, s in enumerate(self._scratch):
+            if storage == s.untyped_storage().data_ptr():
+                return "scratch", index, self._scratch_offsets[index] + t.data_ptr() - s.data_ptr()
+        return None
+
+
+def _grid3(grid: Sequence[int]) -> tuple[int, int, int]:
+    g = tuple(int(x) for x in grid)
+    return (g + (1, 1))[:3]
+
+
+def _view(base: torch.Tensor, byte_offset: int, dtype: torch.dtype, size, stride) -> torch.Tensor:
+    """``dtype`` view of ``base``'s storage at ``byte_offset`` from ``base``'s first byte."""
+    start = base.storage_offset() * base.element_size() + byte_offset
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return torch.empty(0, dtype=dtype, device=base.device).set_(base.untyped_storage(), start // itemsize, size, stride)
+
+
+_RECORDING: ContextVar[Recording | None] = ContextVar("cascadeinfer_recording", default=None)
+
+
+@contextlib.contextmanager
+def recording(roots: Sequence[torch.Tensor], *, keep_scratch: bool = False) -> Iterator[Recording]:
+    """Record the kernel launches made inside the block (see the module docstring).
+
+    ``roots`` are the tensors a replay passes anew, in this order. Roots may share
+    storage (q, k and v cut from one projection); a tensor argument is then taken as a
+    view of the root it starts at, or of the nearest root starting below it; where that
+    is ambiguous (two roots at one address) the recording is marked not ``valid``.
+    """
+    rec = Recording(num_roots=len(roots), keep_scratch=keep_scratch)
+    for index, t in enumerate(roots):
+        rec._root_spans.append((t.untyped_storage().data_ptr(), t.data_ptr(), index))
+    token = _RECORDING.set(rec)
+    try:
+        yield rec
+    finally:
+        _RECORDING.reset(token)
+        if not keep_scratch:
+            rec._scratch.clear()  # replays allocate their own
+        rec._root_spans.clear()
+
+
+@contextlib.contextmanager
+def recorded(cache: "LaunchCache", key: Hashable | None, roots: Sequence[torch.Tensor]) -> Iterator[None]:
+    """Record the launches made inside the block into ``cache[key]`` (nothing when ``key``
+    is None, or when the roots are CPU tensors without the interpreter: that path
+    launches no kernel, so there is nothing to replay). Inside another recording (a
+    launcher called by a recorded launcher, e.g. a split's merge) the launches belong to
+    that one, and nothing is cached here."""
+    if key is None or _RECORDING.get() is not None or not use_triton(roots[0].device):
+        yield
+        return
+    with recording(roots) as rec:
+        yield
+    cache.put(key, rec)
+
+
+def launch(kernel, grid: Sequence[int], *args, **meta) -> None:
+    """``kernel[grid](*args, **meta)``, kept by the recording in progress if there is one."""
+    compiled = kernel[grid](*args, **meta)
+    rec = _RECORDING.get()
+    if rec is not None:
+        rec._add(kernel, compiled if hasattr(compiled, "packed_metadata") else None, grid, list(args), meta)
+
+
+def scratch(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised scratch tensor of a launcher (partial states); a recording in
+    progress keeps it or re-creates it in every replay (see :class:`Recording`)."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    rec = _RECORDING.get()
+    if rec is not None:
+        rec._scratch.append(t)
+        rec._scratch_offsets.append(rec.scratch_bytes)
+        nbytes = t.numel() * t.element_size()
+        rec.scratch_bytes += -(-nbytes // _SCRATCH_ALIGN) * _SCRATCH_ALIGN
+    return t
+
+
+# ---- call signatures
+
+
+def _spec(x) -> Hashable:
+    if isinstance(x, torch.Tensor):
+        # data_ptr % 16: Triton specialises pointer arguments on 16-byte alignment.
+        return (x.dtype, x.shape, x.stride(), x.data_ptr() & 15, x.get_device())
+    if isinstance(x, (tuple, list)):
+        return (type(x), *map(_spec, x))
+    return x
+
+
+def call_key(*args) -> Hashable:
+    """The signature of a launcher call: per tensor its dtype, shape, strides, address
+    modulo 16 and device; per tuple of tensors the same for each; other values as they
+    are (they must be hashable for the key to be used)."""
+    return tuple(map(_spec, args))
+
+
+class LaunchCache:
+    """Recordings of a launcher's calls, by :func:`call_key`, the ``maxsize`` most recently
+    used kept. Unhashable keys are never found (the caller records nothing then)."""
+
+    def __init__(self, maxsize: int = 64) -> None:
+        self.maxsize = maxsize
+        self._items: OrderedDict[Hashable, Recording] = OrderedDict()
+
+    def get(self, key: Hashable) -> Recording | None:
+        """The recording for ``key``; None when there is none, or while another
+        recording is in progress (whose launches must go through :func:`launch`)."""
+        if _RECORDING.get() is not None:
+            return None
+        try:
+            rec = self._items.get(key)
+        except TypeError:  # an unhashable option: never cached
+            return None
+        if rec is not None:
+            self._items.move_to_end(key)
+        return rec
+
+    def put(self, key: Hashable, rec: Recording) -> None:
+        if not rec.valid:
+            return
+        try:
+            self._items[key] = rec
+        except TypeError:
+            return
+        if len(self._items) > self.maxsize:
+            self._items.popitem(last=False)
+
+    def clear(self) -> None:
+        self._items.clear()
+
+    def __len__(self) -> int:
+        return len(self._items)

@@ -1,0 +1,241 @@
+"""Recorded launches: a second call of a signature replays the first call's kernels.
+
+Each test makes a first call (which checks, plans and records), then forbids the slow
+path and calls again with fresh tensors of the same signature: the replay must compute
+the new inputs' answer, into the new outputs, on any storage the roots come from.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cascadeinfer as ci
+from cascadeinfer.cascade.multi_level import MultiLevelCascadeAttention
+from cascadeinfer.kernels import append as append_mod
+from cascadeinfer.kernels import decode as decode_mod
+from cascadeinfer.kernels import launch as launch_mod
+from cascadeinfer.kernels import merge as merge_mod
+from cascadeinfer.kernels import prefill as prefill_mod
+from cascadeinfer.kernels.reference import attention_state_ref
+from cascadeinfer.layouts.paged_cache import gather_paged_kv, unpack_paged_kv_cache
+
+T = lambda x, device: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
+
+
+def forbid(monkeypatch, module, name):
+    def fail(*args, **kwargs):
+        raise AssertionError(f"{name} ran: the call was not replayed")
+
+    monkeypatch.setattr(module, name, fail)
+
+
+def decode_case(device, seed, dtype=torch.float16):
+    g = torch.Generator().manual_seed(seed)
+    cache = torch.randn(9, 2, 4, 2, 32, generator=g).to(device, dtype)
+    q = torch.randn(3, 4, 32, generator=g).to(device, dtype)
+    return q, cache
+
+
+def decode_reference(q, cache, indptr, indices, last):
+    kv = unpack_paged_kv_cache(cache, "NHD")
+    os_, ls_ = [], []
+    for r in range(q.shape[0]):
+        k, v = gather_paged_kv(kv, indptr, indices, last, r)
+        o, lse = attention_state_ref(q[r:r + 1], k, v)
+        os_.append(o)
+        ls_.append(lse)
+    return torch.cat(os_), torch.cat(ls_)
+
+
+def assert_state(o, lse, o_ref, lse_ref, tol=5e-3):
+    torch.testing.assert_close(o.double().cpu(), o_ref.cpu(), atol=tol, rtol=tol)
+    torch.testing.assert_close(lse.double().cpu(), lse_ref.cpu(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("num_splits", [None, 2])
+def test_decode_replays_with_new_tensors(device, monkeypatch, num_splits):
+    indptr, indices, last = T([0, 3, 6, 8], device), T([0, 1, 2, 3, 4, 5, 6, 7], device), T([1, 4, 2], device)
+    q, cache = decode_case(device, 0)
+    ci.batch_decode_paged(q, cache, indptr, indices, last, num_splits=num_splits, out=torch.empty_like(q),
+                          validate=False)
+    forbid(monkeypatch, decode_mod, "_batch_decode_paged")
+    q2, cache2 = decode_case(device, 1)
+    indices2 = T([8, 7, 6, 5, 4, 3, 2, 1], device)
+    out = torch.full_like(q2, float("nan"))
+    o, lse = ci.batch_decode_paged(q2, cache2, indptr, indices2, last, num_splits=num_splits, out=out, validate=False)
+    assert o is out
+    assert_state(o, lse, *decode_reference(q2, cache2, indptr, indices2, last))
+
+
+def test_decode_replay_validates_contents(device):
+    indptr, indices, last = T([0, 3, 6, 8], device), T([0, 1, 2, 3, 4, 5, 6, 7], device), T([1, 4, 2], device)
+    q, cache = decode_case(device, 0)
+    ci.batch_decode_paged(q, cache, indptr, indices, last)
+    with pytest.raises(ValueError, match="kv_indices"):
+        ci.batch_decode_paged(q, cache, indptr, T([0, 1, 2, 3, 4, 5, 6, 60], device), last)
+
+
+def test_tuple_cache_and_views_of_one_storage(device, monkeypatch):
+    """K and V as two views of one tensor (roots sharing storage), and q cut from a wider
+    projection: each argument is traced to the root it starts at."""
+    indptr, indices, last = T([0, 2, 3], device), T([4, 0, 2], device), T([3, 1], device)
+
+    def call(seed):
+        g = torch.Generator().manual_seed(seed)
+        kv = torch.randn(6, 2, 4, 2, 32, generator=g).to(device, torch.float16)
+        proj = torch.randn(2, 6, 32, generator=g).to(device, torch.float16)
+        q = proj[:, :4]  # non-contiguous rows
+        o, lse = ci.batch_decode_paged(q, (kv[:, 0], kv[:, 1]), indptr, indices, last, validate=False)
+        return o, lse, decode_reference(q, kv, indptr, indices, last)
+
+    call(0)
+    forbid(monkeypatch, decode_mod, "_batch_decode_paged")
+    o, lse, ref = call(1)
+    assert_state(o, lse, *ref)
+
+
+def test_prefill_and_ragged_replay(device, monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    qo, kvp = T([0, 3, 5], device), T([0, 2, 3], device)
+    indices, last = T([1, 3, 0], device), T([4, 2], device)
+
+    def paged(seed, num_splits):
+        g.manual_seed(seed)
+        cache = torch.randn(4, 2, 4, 2, 32, generator=g).to(device, torch.float16)
+        q = torch.randn(5, 4, 32, generator=g).to(device, torch.float16)
+        o, lse = ci.batch_prefill_paged(q, qo, cache, kvp, indices, last, num_splits=num_splits, validate=False)
+        ref = ci.batch_prefill_paged(q.cpu(), qo.cpu(), cache.cpu(), kvp.cpu(), indices.cpu(), last.cpu())
+        return o, lse, ref
+
+    def ragged(seed):
+        g.manual_seed(seed)
+        qkv = torch.randn(7, 8, 32, generator=g).to(device, torch.float16)  # q 4 heads, k 2, v 2
+        q, k, v = qkv[:5, :4], qkv[:, 4:6], qkv[:, 6:]
+        kv_indptr = T([0, 4, 7], device)
+        o, lse = ci.batch_prefill_ragged(q, qo, k, v, kv_indptr, causal=True, validate=False)
+        ref = ci.batch_prefill_ragged(q.cpu(), qo.cpu(), k.cpu(), v.cpu(), kv_indptr.cpu(), causal=True)
+        return o, lse, ref
+
+    for splits in (None, 2):
+        paged(0, splits)
+    ragged(0)
+    forbid(monkeypatch, prefill_mod, "_run")
+    for splits in (None, 2):
+        o, lse, (o_ref, lse_ref) = paged(1, splits)
+        assert_state(o, lse, o_ref.double(), lse_ref.double(), 1e-2)
+    o, lse, (o_ref, lse_ref) = ragged(1)
+    assert_state(o, lse, o_ref.double(), lse_ref.double(), 1e-2)
+
+
+def test_merges_replay(device, monkeypatch):
+    def states(seed):
+        g = torch.Generator().manual_seed(seed)
+        v = torch.randn(3, 4, 2, 16, generator=g).to(device)
+        s = torch.randn(3, 4, 2, generator=g).to(device)
+        return v, s
+
+    v, s = states(0)
+    ci.merge_states(v, s, validate=False)
+    ci.merge_state(v[:, 0], s[:, 0], v[:, 1], s[:, 1], validate=False)
+    forbid(monkeypatch, merge_mod, "_launch_dense")
+    forbid(monkeypatch, merge_mod, "_merge_two")
+    v, s = states(1)
+    o, lse = ci.merge_states(v, s, validate=False)
+    o_ref, lse_ref = merge_mod.merge_states_ref(v.cpu(), s.cpu())
+    assert_state(o, lse, o_ref, lse_ref, 1e-5)
+    o, lse = ci.merge_state(v[:, 0], s[:, 0], v[:, 1], s[:, 1], validate=False)
+    o_ref, lse_ref = merge_mod.merge_states_ref(v[:, :2].cpu(), s[:, :2].cpu())
+    assert_state(o, lse, o_ref, lse_ref, 1e-5)
+
+
+def test_merge_replay_still_checks_aliasing(device):
+    """validate=True re-checks aliasing on a replayed signature: same shapes, strides and
+    alignment, but the second call's out overlaps v_a by two rows."""
+    g = torch.Generator().manual_seed(0)
+    v, s = torch.randn(3, 4, 2, 16, generator=g).to(device), torch.randn(3, 4, 2, generator=g).to(device)
+    buf, other = torch.randn(4, 2, 16, device=device), torch.empty(4, 2, 16, device=device)
+    ci.merge_state(buf[0:3], s[:, 0], v[:, 1], s[:, 1], out=other[0:3], out_lse=s[:, 2].clone())
+    with pytest.raises(ValueError, match="out: overlaps v_a"):
+        ci.merge_state(buf[0:3], s[:, 0], v[:, 1], s[:, 1], out=buf[1:4], out_lse=s[:, 2].clone())
+
+
+def test_append_replays(device, monkeypatch):
+    indptr, indices, last = T([0, 2, 3], device), T([3, 0, 1], device), T([2, 4], device)
+    rows, pos = T([0, 1], device), T([5, 3], device)
+
+    def call(seed):
+        g = torch.Generator().manual_seed(seed)
+        cache = torch.zeros(4, 2, 4, 2, 16, device=device)
+        k = torch.randn(2, 2, 16, generator=g).to(device)
+        v = torch.randn(2, 2, 16, generator=g).to(device)
+        ci.append_paged_kv_cache(k, v, rows, pos, cache, indices, indptr, last, validate=False)
+        return cache, k, v
+
+    call(0)
+    forbid(monkeypatch, append_mod, "_launch")
+    cache, k, v = call(1)
+    torch.testing.assert_close(cache[0, 0, 1], k[0])  # row 0, position 5: its second page, slot 1
+    torch.testing.assert_close(cache[1, 1, 3], v[1])  # row 1, position 3: page 1, slot 3
+
+
+def two_level_plan(device, prefix_pages=3, batch=3):
+    perm = torch.randperm(prefix_pages + 2 * batch, generator=torch.Generator().manual_seed(5)).to(torch.int32)
+    qo = [T([0, batch], device), torch.arange(batch + 1, dtype=torch.int32, device=device)]
+    kp = [T([0, prefix_pages], device), torch.arange(batch + 1, dtype=torch.int32, device=device) * 2]
+    ki = [perm[:prefix_pages].to(device), perm[prefix_pages:].to(device)]
+    kl = [T([4], device), T([1, 3, 4][:batch], device)]
+    return qo, kp, ki, kl, perm
+
+
+def flat_reference(q, cache, ki, kl, batch, prefix_pages):
+    indptr = torch.arange(batch + 1, dtype=torch.int32) * (prefix_pages + 2)
+    pages = torch.cat([torch.cat([ki[0].cpu(), ki[1].cpu()[2 * r:2 * r + 2]]) for r in range(batch)])
+    return decode_reference(q.cpu(), cache.cpu(), indptr, pages.to(torch.int32), kl[1].cpu())
+
+
+def test_cascade_run_replays_and_survives_replan(device, monkeypatch):
+    qo, kp, ki, kl, perm = two_level_plan(device)
+    attn = MultiLevelCascadeAttention(2, device=device)
+    attn.plan(qo, kp, ki, kl, 4, 2, 32, 4, use_cascade=True)
+    q, cache = decode_case(device, 0)
+    attn.run(q, cache)
+    assert len(attn._launches) == 1
+    forbid(monkeypatch, MultiLevelCascadeAttention, "_record")
+    q2, cache2 = decode_case(device, 1)
+    o, lse = attn.run(q2, cache2, return_lse=True)
+    assert_state(o, lse, *flat_reference(q2, cache2, ki, kl, 3, 3))
+    # Re-planning with tables of the same shapes keeps the recordings and reads the new tables.
+    ki2 = [ki[0].flip(0).contiguous(), ki[1].flip(0).contiguous()]
+    attn.plan(qo, kp, ki2, kl, 4, 2, 32, 4, use_cascade=True)
+    assert len(attn._launches) == 1
+    o, lse = attn.run(q2, cache2, return_lse=True)
+    assert_state(o, lse, *flat_reference(q2, cache2, ki2, kl, 3, 3))
+
+
+def test_cascade_run_refuses_a_smaller_cache(device):
+    qo, kp, ki, kl, perm = two_level_plan(device)
+    attn = MultiLevelCascadeAttention(2, device=device)
+    attn.plan(qo, kp, ki, kl, 4, 2, 32, 4, use_cascade=True)  # no num_pages: run checks the cache
+    q, cache = decode_case(device, 0)  # 9 pages: every page id is < 9
+    attn.run(q, cache)
+    with pytest.raises(ValueError, match="paged_kv_cache: the plan's tables index page"):
+        attn.run(q, cache[:5])
+
+
+def test_call_key_sees_alignment_and_strides():
+    a = torch.zeros(16, dtype=torch.float16)
+    assert launch_mod.call_key(a[0:8]) != launch_mod.call_key(a[1:9])  # 2-byte offset: another alignment
+    assert launch_mod.call_key(a.view(4, 4)) != launch_mod.call_key(a.view(4, 4).t())
+    assert launch_mod.call_key(a[0:8], None, "NHD") == launch_mod.call_key(a[8:16], None, "NHD")
+
+
+def test_cache_evicts_least_recently_used():
+    cache = launch_mod.LaunchCache(maxsize=2)
+    recs = [launch_mod.Recording(num_roots=0, keep_scratch=False) for _ in range(3)]
+    cache.put("a", recs[0])
+    cache.put("b", recs[1])
+    assert cache.get("a") is recs[0]
+    cache.put("c", recs[2])
+    assert cache.get("b") is None and cache.get("a") is recs[0] and cache.get("c") is recs[2]
+    assert cache.get(["unhashable"]) is None
