@@ -66,7 +66,6 @@ from cascadeinfer.kernels.decode_balanced import attend_tile
 from cascadeinfer.layouts.paged_cache import PagedKV, PagedKVCache, unpack_paged_kv_cache
 
 LOG2E = 1.4426950408889634  # log2(e): natural-log scores -> base-2 scores
-_LN2 = tl.constexpr(0.6931471805599453)  # ln(2): base-2 LSE -> natural-log LSE (used in the kernel)
 
 
 @triton.jit
@@ -197,12 +196,10 @@ def _decode_kernel(
             qk_scale, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, True, IEEE,
         )
 
-    # Empty range (l == 0): o = 0, lse = -inf. Base change here: m and log2(l) are base 2,
-    # the stored LSE is natural log.
-    has_keys = l_i > 0
-    l_safe = tl.where(has_keys, l_i, 1.0)
-    o = acc / l_safe[:, None]
-    lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * _LN2, float("-inf"))
+    # Emptiness comes from the range, never from l: a NaN key leaves l = NaN, which must
+    # reach the output, not pass for "no keys". finish_state changes the base: m and
+    # log2(l) are base 2, the stored LSE is natural log.
+    o, lse = merge_mod.finish_state(acc, l_i, m_i, t_end > t_begin)
 
     heads64 = heads.to(tl.int64)
     if SPLIT:
@@ -669,6 +666,9 @@ def batch_decode_paged_ref(
     ``q: [batch, Hq, D]``, ``kv`` from :func:`unpack_paged_kv_cache`, page table as in
     :func:`batch_decode_paged` (read on the host). Returns ``(o [batch, Hq, D] float64,
     lse [batch, Hq] float64)``, natural log; rows with no keys give ``(0, -inf)``.
+    Non-finite input as in :func:`cascadeinfer.kernels.reference.attention_state_ref`: a
+    NaN or +inf score, or a NaN or inf in a value of the request's keys, gives
+    ``(NaN, NaN)``; the padding past a request's length never touches it.
     """
     batch, hq, d = q.shape
     hkv, page = kv.num_kv_heads, kv.page_size
@@ -693,9 +693,13 @@ def batch_decode_paged_ref(
         k, v = kv.k[pages, :, slot], kv.v[pages, :, slot]  # advanced dims first: [batch, L, Hkv, D]
     qg = q.double().reshape(batch, hkv, hq // hkv, d)
     s = torch.einsum("bhgd,blhd->bhgl", qg, k.double()) * scale
-    s = s.masked_fill(~valid[:, None, None, :], -math.inf)
-    lse_g = torch.logsumexp(s, dim=-1)  # [batch, Hkv, G]
+    s = s.masked_fill(~valid[:, None, None, :], -math.inf)  # padding: never its (maybe NaN) score
+    lse_g = torch.logsumexp(s, dim=-1)  # [batch, Hkv, G]; NaN/+inf from such scores
     finite = torch.isfinite(lse_g)
     p = torch.where(finite[..., None], torch.exp(s - torch.where(finite, lse_g, 0.0)[..., None]), 0.0)
-    o = torch.einsum("bhgl,blhd->bhgd", p, v.double()).reshape(batch, hq, d)
-    return o, lse_g.reshape(batch, hq)
+    v_ok = torch.isfinite(v).all(dim=-1)  # [batch, L, Hkv]
+    o = torch.einsum("bhgl,blhd->bhgd", p, torch.where(v_ok[..., None], v.double(), 0.0))
+    # a key's non-finite value reaches the row at any weight (0 * inf = NaN); padding's never
+    bad = (valid[..., None] & ~v_ok).any(dim=1)[..., None] | torch.isnan(lse_g) | (lse_g == math.inf)
+    o = o.masked_fill(bad[..., None], math.nan).reshape(batch, hq, d)
+    return o, lse_g.masked_fill(bad, math.nan).reshape(batch, hq)

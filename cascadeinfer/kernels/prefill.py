@@ -77,14 +77,13 @@ from cascadeinfer._checks import (
     same_device,
     use_triton,
 )
-from cascadeinfer.kernels.merge import merge_states
+from cascadeinfer.kernels.merge import finish_state, merge_states
 from cascadeinfer.kernels.reference import attention_state_ref
 from cascadeinfer.layouts.indptr import validate_indptr
 from cascadeinfer.layouts.page_table import validate_page_table
 from cascadeinfer.layouts.paged_cache import PagedKV, PagedKVCache, gather_paged_kv, unpack_paged_kv_cache
 
 LOG2E = math.log2(math.e)  # natural log -> log2 units: scores are scaled by sm_scale * LOG2E
-_LN2 = tl.constexpr(math.log(2.0))  # log2 -> natural log at the store
 
 
 # --------------------------------------------------------------------------------------
@@ -454,11 +453,11 @@ def _prefill_kernel(
         PAGED, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION,
     )
 
-    # ---- normalise and store; a row that saw no key stores (0, -inf)
-    seen = l_i > 0.0
-    o = acc / tl.where(seen, l_i, 1.0)[:, None]
-    # Base change: m_i + log2(l_i) is the LSE in log2 units; times ln(2) gives natural log.
-    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * _LN2, float("-inf"))
+    # ---- normalise and store; a row that saw no key stores (0, -inf). Whether it saw one
+    # comes from its key range in this split, never from l: a NaN key leaves l = NaN,
+    # which must reach the output, not pass for "no keys". finish_state changes the base:
+    # m_i + log2(l_i) is the LSE in log2 units, times ln(2) the natural log.
+    o, lse = finish_state(acc, l_i, m_i, tl.minimum(split_hi, row_lim) > split_lo)
     tok64 = (qo_start + tok).to(tl.int64)
     o_off = tok64 * stride_ot + split.to(tl.int64) * stride_os + head.to(tl.int64) * stride_oh
     tl.store(o_ptr + o_off[:, None] + offs_d[None, :], o.to(o_ptr.dtype.element_ty),
