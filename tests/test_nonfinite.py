@@ -362,6 +362,42 @@ def test_causal_rows_see_only_their_keys(device):
     check(*batch_prefill_ragged(q, indptr, k, v, indptr, causal=True), *ref)
 
 
+@GARBAGE
+@pytest.mark.parametrize("layout", ["ragged", "paged"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@FORCED
+def test_causal_hidden_values(device, bad, layout, dtype, forced):
+    """V garbage at keys the causal mask hides from the early rows of the same tile (and
+    of the same packed GQA rows): exactly the rows that see them are poisoned."""
+    hkv, group, d, page_size = 1, 2, 16, 4
+    qo_lens, kv_lens = [6, 5], [6, 3]  # group 1: rows 0, 1 see nothing, row i >= 2 keys < i - 1
+    gen = torch.Generator().manual_seed(15)
+    q = torch.randn((sum(qo_lens), hkv * group, d), generator=gen).to(device, dtype)
+    qo_indptr = indptr_from_lengths(qo_lens, device=device)
+    if layout == "ragged":
+        k, v = (torch.randn((sum(kv_lens), hkv, d), generator=gen).to(device, dtype) for _ in range(2))
+        v[4, 0, 3] = bad  # group 0 key 4: rows 4, 5 see it
+        v[6 + 2, 0, 0] = bad  # group 1 key 2: only row 4 sees it
+        kv_indptr = indptr_from_lengths(kv_lens, device=device)
+        ref = P.batch_prefill_ragged_ref(q, qo_indptr, k, v, kv_indptr, causal=True)
+        source = P._ragged_source(q, k, v, kv_indptr)
+        call = lambda: batch_prefill_ragged(q, qo_indptr, k, v, kv_indptr, causal=True)  # noqa: E731
+    else:
+        cache, table, lists, _ = paged_case(kv_lens, page_size, hkv, d, dtype, device, seed=16)
+        page, slot = token_slot(lists, page_size, 0, 4)
+        cache[page, 1, slot, 0, 3] = bad
+        page, slot = token_slot(lists, page_size, 1, 2)
+        cache[page, 1, slot, 0, 0] = bad
+        args = (q, qo_indptr, cache, table.kv_indptr, table.kv_indices, table.kv_last_page_len)
+        ref = P.batch_prefill_paged_ref(*args, causal=True)
+        source = P._paged_source(unpack_paged_kv_cache(cache, "NHD"), *args[3:])
+        call = lambda: batch_prefill_paged(*args, causal=True)  # noqa: E731
+    poisoned = torch.isnan(ref[1]).all(-1)
+    assert poisoned.tolist() == [False] * 4 + [True] * 2 + [False] * 4 + [True]
+    assert bool((ref[1][6:8] == -INF).all())
+    check(*run_prefill(call, q, qo_indptr, source, forced, True), *ref, dtype)
+
+
 # ---------------------------------------------------------------------------- merges
 
 

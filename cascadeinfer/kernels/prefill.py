@@ -272,9 +272,17 @@ def _masked_tiles(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr,  # row_hi differs per row: a tile may hold keys some of its rows do not see
 ):
     """The key tiles ``[lo, hi)`` with per-row key limits (the last partial tile, the
-    causal diagonal band): a few tiles per program, plain per-token addressing."""
+    causal diagonal band): a few tiles per program, plain per-token addressing.
+
+    CAUSAL: a row's weight for a key it does not see is 0, and ``p @ v`` would still
+    turn that key's NaN or inf value into ``0 * inf = NaN`` in the row. So such values
+    are zeroed before the product and the key's score made NaN instead, which the mask
+    then hides from the rows that do not see it (the float64 reference's rule: a key's
+    non-finite value poisons exactly the rows that see it). Without CAUSAL every key
+    below ``hi`` is seen by every row and none of this is needed."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     for start in tl.range(lo, hi, BLOCK_N):
@@ -290,6 +298,10 @@ def _masked_tiles(
         k = _load_tile(k_ptr + k_off[:, None] + offs_d[None, :], t_ok, offs_d, True, HEAD_DIM, BLOCK_D)
         v = _load_tile(v_ptr + v_off[:, None] + offs_d[None, :], t_ok, offs_d, True, HEAD_DIM, BLOCK_D)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if CAUSAL:
+            v_ok = tl.abs(v.to(tl.float32)) < float("inf")  # NaN fails the compare too
+            v = tl.where(v_ok, v, tl.zeros_like(v))
+            s = tl.where(tl.min(v_ok.to(tl.int32), 1)[None, :] == 0, float("nan"), s)
         s = tl.where(t[None, :] < row_hi[:, None], s, float("-inf"))
         acc, l_i, m_i = _softmax_step(acc, l_i, m_i, s, v, qk_scale, True, DOT_PRECISION)
     return acc, l_i, m_i
@@ -450,7 +462,7 @@ def _prefill_kernel(
     acc, l_i, m_i = _masked_tiles(
         acc, l_i, m_i, q, k_head, v_head, page_ptr, full_end, masked_end, row_lim,
         stride_kp, stride_kt, stride_vt, qk_scale,
-        PAGED, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION,
+        PAGED, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION, CAUSAL,
     )
 
     # ---- normalise and store; a row that saw no key stores (0, -inf). Whether it saw one
