@@ -23,7 +23,7 @@ from cascadeinfer.cascade.plan import HostLevel, choose_cascade, flat_page_table
 from cascadeinfer.kernels.decode import pick_decode_schedule
 from cascadeinfer.kernels.prefill import paged_num_splits
 from cascadeinfer.ops import split_cache
-from cascadeinfer.layouts.paged_cache import check_kv_layout, unpack_paged_kv_cache
+from cascadeinfer.layouts.paged_cache import check_kv_layout, check_layout_fits, unpack_paged_kv_cache
 
 
 @dataclass(slots=True)
@@ -244,6 +244,7 @@ class MultiLevelCascadeAttention:
         check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES, device=self.device,
                      shape=(self.num_tokens, self.num_qo_heads, self.head_dim))
         kv = unpack_paged_kv_cache(paged_kv_cache, self.kv_layout)
+        check_layout_fits(kv, num_kv_heads=self.num_kv_heads, page_size=self.page_size)
         if (kv.page_size, kv.num_kv_heads, kv.head_dim) != (self.page_size, self.num_kv_heads, self.head_dim):
             raise ValueError(
                 f"paged_kv_cache: planned for page_size={self.page_size}, num_kv_heads={self.num_kv_heads}, "

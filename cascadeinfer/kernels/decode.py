@@ -63,7 +63,7 @@ from cascadeinfer._checks import (
 from cascadeinfer.kernels import decode_balanced as balanced
 from cascadeinfer.kernels import merge as merge_mod
 from cascadeinfer.kernels.decode_balanced import attend_tile
-from cascadeinfer.layouts.paged_cache import PagedKV, PagedKVCache, unpack_paged_kv_cache
+from cascadeinfer.layouts.paged_cache import PagedKV, PagedKVCache, check_layout_fits, unpack_paged_kv_cache
 
 LOG2E = 1.4426950408889634  # log2(e): natural-log scores -> base-2 scores
 
@@ -535,6 +535,8 @@ def _batch_decode_paged(
     check_last_dim_contiguous("q", q)
     kv = unpack_paged_kv_cache(paged_kv_cache, kv_layout)
     batch, num_qo_heads, head_dim = q.shape
+    check_layout_fits(kv, num_qo_heads=num_qo_heads,
+                      kv_last_page_len=kv_last_page_len if validate and not capturing() else None)
     if kv.dtype != q.dtype:
         raise TypeError(f"paged_kv_cache: expected dtype {q.dtype} (the dtype of q), got {kv.dtype}")
     device = same_device(("q", q), ("paged_kv_cache", kv.k))

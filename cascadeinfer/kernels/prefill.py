@@ -81,7 +81,13 @@ from cascadeinfer.kernels.merge import finish_state, merge_states
 from cascadeinfer.kernels.reference import attention_state_ref
 from cascadeinfer.layouts.indptr import validate_indptr
 from cascadeinfer.layouts.page_table import validate_page_table
-from cascadeinfer.layouts.paged_cache import PagedKV, PagedKVCache, gather_paged_kv, unpack_paged_kv_cache
+from cascadeinfer.layouts.paged_cache import (
+    PagedKV,
+    PagedKVCache,
+    check_layout_fits,
+    gather_paged_kv,
+    unpack_paged_kv_cache,
+)
 
 LOG2E = math.log2(math.e)  # natural log -> log2 units: scores are scaled by sm_scale * LOG2E
 
@@ -908,6 +914,8 @@ def batch_prefill_paged(
     if num_splits is not None and (not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1):
         raise ValueError(f"num_splits: expected a positive int or None, got {num_splits!r}")
     kv = unpack_paged_kv_cache(paged_kv_cache, kv_layout)
+    check_layout_fits(kv, num_qo_heads=q.shape[1],
+                      kv_last_page_len=kv_last_page_len if validate and not capturing() else None)
     device = same_device(("q", q), ("paged_kv_cache", kv.k))
     _check_qo_indptr(qo_indptr, device)
     check_tensor("kv_indptr", kv_indptr, device=device, shape=(qo_indptr.shape[0],))

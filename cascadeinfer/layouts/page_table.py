@@ -13,8 +13,9 @@ when validating, so that a stale length next to a missing page list is caught in
 silently read as "empty". :func:`get_seq_lens` returns 0 for empty rows whatever the value.
 
 The device-side helpers (:func:`get_seq_lens`, :func:`get_batch_indices_positions`) are
-pure torch ops with no host sync, so they can run inside a captured CUDA graph. The
-validators read tensors on the host.
+pure torch ops with no host sync, so they can run inside a captured CUDA graph (the
+latter's optional check of ``seq_lens`` reads them on the host, and is skipped while
+capturing). The validators read tensors on the host.
 """
 
 from __future__ import annotations
@@ -24,8 +25,11 @@ from dataclasses import dataclass
 
 import torch
 
-from cascadeinfer._checks import check_int32_vector, check_tensor
+from cascadeinfer._checks import capturing, check_int32_vector, check_tensor
 from cascadeinfer.layouts.indptr import _as_int_list, _check_indptr_values
+
+
+_INT32_MAX = 2**31 - 1
 
 
 def _check_positive_int(name: str, x: object, *, minimum: int = 1) -> int:
@@ -55,7 +59,7 @@ def get_seq_lens(kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor, page_s
 
 
 def get_batch_indices_positions(
-    append_indptr: torch.Tensor, seq_lens: torch.Tensor, nnz: int
+    append_indptr: torch.Tensor, seq_lens: torch.Tensor, nnz: int, *, validate: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Row and position of every appended token, for :func:`append_paged_kv_cache`.
 
@@ -65,9 +69,16 @@ def get_batch_indices_positions(
     ``positions[j] = seq_lens[i] - append_len_i + t``. Returns ``(batch_indices,
     positions)``, both int32 ``[nnz]`` on the inputs' device.
 
-    ``nnz`` is a host int (the tensors' contents are never read: no host sync, CUDA-graph
-    safe). Tokens ``j >= append_indptr[-1]`` (when ``nnz`` is a padded upper bound) get
-    ``batch_indices = -1`` and ``positions = -1``, which ``append_paged_kv_cache`` skips.
+    ``nnz`` is a host int. Tokens ``j >= append_indptr[-1]`` (when ``nnz`` is a padded
+    upper bound) get ``batch_indices = -1`` and ``positions = -1``, which
+    ``append_paged_kv_cache`` skips.
+
+    A row's ``seq_lens[i]`` must be at least the number of tokens it appends. With
+    ``validate`` (reads both tensors on the host; skipped while a CUDA graph is being
+    captured) a shorter one raises ``ValueError`` naming ``seq_lens``. Without it (no
+    host sync, CUDA-graph safe) the tokens whose position would be negative get
+    ``batch_indices = -1`` and ``positions = -1`` too, so they are skipped, never
+    written at a negative position.
     """
     check_tensor("append_indptr", append_indptr, ndim=1, dtypes=(torch.int32,))
     if append_indptr.shape[0] == 0:
@@ -76,6 +87,17 @@ def get_batch_indices_positions(
     dev = append_indptr.device
     check_tensor("seq_lens", seq_lens, dtypes=(torch.int32,), device=dev, shape=(n,))
     _check_positive_int("nnz", nnz, minimum=0)
+    if not isinstance(validate, bool):
+        raise TypeError(f"validate: expected a bool, got {type(validate).__name__}")
+    if validate and n and not capturing():
+        appended = (append_indptr[1:] - append_indptr[:-1]).cpu()
+        short = seq_lens.cpu() < appended
+        if bool(short.any()):
+            row = int(short.nonzero()[0, 0])
+            raise ValueError(
+                f"seq_lens: row {row} has length {int(seq_lens[row])} but appends {int(appended[row])} tokens; "
+                "seq_lens must count the appended tokens too"
+            )
     if n == 0:
         pad = torch.full((nnz,), -1, dtype=torch.int32, device=dev)
         return pad, pad.clone()
@@ -87,6 +109,7 @@ def get_batch_indices_positions(
     safe_row = row.clamp(0, n - 1)
     # seq_lens[i] - (append_indptr[i+1] - append_indptr[i]) + (token - append_indptr[i])
     pos = seq_lens[safe_row] - append_indptr[safe_row + 1] + token
+    valid &= pos >= 0  # a seq_len shorter than the append (not validated): skip, never a negative slot
     minus_one = torch.full_like(token, -1)
     return torch.where(valid, row, minus_one), torch.where(valid, pos, minus_one)
 
@@ -195,6 +218,8 @@ class PageTable:
         empty row). The tensors are created on ``device`` (CPU by default).
         """
         _check_positive_int("page_size", page_size)
+        if page_size > _INT32_MAX:  # the table's lengths are int32
+            raise ValueError(f"page_size: expected at most {_INT32_MAX}, got {page_size}")
         if isinstance(seq_lens, torch.Tensor):
             check_tensor("seq_lens", seq_lens, ndim=1)
             seq_lens = seq_lens.cpu().tolist()
@@ -214,6 +239,9 @@ class PageTable:
                     f"page_lists: row {i} has {len(pages)} pages but seq_len {length} needs "
                     f"cdiv({length}, {page_size}) = {need}"
                 )
+            if pages and (min(pages) < 0 or max(pages) > _INT32_MAX):
+                bad = min(pages) if min(pages) < 0 else max(pages)
+                raise ValueError(f"page_lists: row {i} holds page id {bad}; page ids are int32 in [0, {_INT32_MAX}]")
             indices.extend(pages)
             indptr.append(len(indices))
             last.append(length - (need - 1) * page_size if need > 0 else 0)
