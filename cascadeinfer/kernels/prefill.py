@@ -134,7 +134,11 @@ def _softmax_step(
         # exp2(-inf - 0) = 0 instead of exp2(-inf - -inf) = NaN.
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
-        m_sub = m_new  # every row sees every key of an unmasked tile: m_new is finite
+        # Every row sees every key of an unmasked tile: m_new is finite — unless non-finite
+        # input makes every score the row has seen so far -inf; that row then comes out NaN
+        # where the float64 reference gives those keys weight 0. A loud answer to garbage, which the
+        # hot loop does not pay a per-tile guard to avoid.
+        m_sub = m_new
     p = tl.math.exp2(s * qk_scale - m_sub[:, None])  # one FMA per score
     alpha = tl.math.exp2(m_i - m_sub)
     l_i = l_i * alpha + tl.sum(p, 1)
