@@ -198,7 +198,7 @@ def test_decode_torch_path(path, bad):
     check(o, lse, *decode_reference(q, cache, table))
 
 
-def test_decode_issue_repro(path):
+def test_decode_one_nan_key(path):
     """One NaN in a request's keys: that request's heads are NaN, not an answer over the others."""
     gen = torch.Generator().manual_seed(0)
     i32 = dict(dtype=torch.int32, device=path)
@@ -338,7 +338,7 @@ def test_shared_prefix(device, bad, where, forced):
     check(o, lse, *ref)
 
 
-def test_shared_prefix_issue_repro(path):
+def test_shared_prefix_one_nan_key(path):
     """One NaN key: NaN where that kv head's scores are NaN, and only there — never
     lse = -inf with a NaN output."""
     gen = torch.Generator().manual_seed(8)
