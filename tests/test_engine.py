@@ -368,6 +368,14 @@ def test_padded_graph_path_without_capture(use_cascade, qwen2, device, torch_pat
     _assert_no_leak(llm)
 
 
+def test_stream_ends_with_the_final_output_and_its_reason(llama, device, torch_path):
+    path, model = llama
+    updates = list(_llm(path, device).stream([UNSHARED[0]], SamplingParams(max_tokens=3, **GREEDY)))
+    assert [out.finished for _, out in updates] == [False, False, True]
+    assert [out.outputs[0].finish_reason for _, out in updates] == [None, None, "length"]
+    assert updates[-1][1].outputs[0].token_ids == hf_greedy(model, UNSHARED[0], 3, device)
+
+
 def test_cli_generate_streams_and_batches(llama, tmp_path, device, torch_path, capsys):
     from cascadeinfer.engine.cli import main  # noqa: PLC0415
 

@@ -234,3 +234,58 @@ def test_scheduler_unsticks_prefills_that_hold_every_page():
     assert batch.preempted == [young] and sched.num_preemptions == 1
     # the old one finishes its prompt; the young one restarts from token 0 in the page left
     assert batch.prefill == [(old, 4), (young, 2)] and len(old.pages) == 5 and len(young.pages) == 1
+
+
+# ---- CLI and config errors ------------------------------------------------------------
+
+
+def _update(text, finished, reason=None, tokens=3):
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    sample = SimpleNamespace(text=text, token_ids=list(range(tokens)), finish_reason=reason)
+    return 0, SimpleNamespace(outputs=[sample], finished=finished)
+
+
+def test_streamed_text_is_flushed_with_its_finish_reason():
+    import io  # noqa: PLC0415
+
+    from cascadeinfer.engine.cli import _print_stream  # noqa: PLC0415
+
+    # Half a character is held back while running, written once the request ends.
+    out, err = io.StringIO(), io.StringIO()
+    _print_stream([_update("a", False), _update("ab\ufffd", False), _update("ab\ufffd", True, "length")], out, err)
+    assert out.getvalue() == "ab\ufffd\n" and err.getvalue() == "(3 tokens, length)\n"
+    # A completed character is shown as soon as it is whole.
+    out, err = io.StringIO(), io.StringIO()
+    _print_stream([_update("\ufffd", False), _update("é", False), _update("é!", True, "stop", 2)], out, err)
+    assert out.getvalue() == "é!\n" and err.getvalue() == "(2 tokens, stop)\n"
+    # Text rewritten behind what was shown: the final text in full on a new line.
+    out, err = io.StringIO(), io.StringIO()
+    _print_stream([_update("ab", False), _update("xy", True, "stop")], out, err)
+    assert out.getvalue() == "ab\nxy\n"
+
+
+def test_cli_device_without_cuda_is_a_one_line_usage_error(monkeypatch, capsys):
+    from cascadeinfer.engine.cli import main  # noqa: PLC0415
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["generate", "--model", "nowhere", "--prompt", "[1]", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--device cuda: CUDA is not available" in err and "Traceback" not in err
+    assert main(["generate", "--model", "nowhere", "--prompt", "[1]", "--device", "gpu0"]) == 2
+    assert "--device 'gpu0' is not a device" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("key, value", [
+    ("num_attention_heads", 0), ("num_hidden_layers", -1), ("num_key_value_heads", 0), ("head_dim", 0),
+])
+def test_config_errors_name_the_files_key(key, value):
+    from cascadeinfer.engine.model_loader import ModelConfig, ModelLoadError  # noqa: PLC0415
+
+    cfg = {"model_type": "llama", "vocab_size": 100, "hidden_size": 32, "intermediate_size": 64,
+           "num_hidden_layers": 1, "num_attention_heads": 4}
+    with pytest.raises(ModelLoadError, match=f"config.json: {key} must be a positive int, got {value}") as exc:
+        ModelConfig.from_dict({**cfg, key: value})
+    assert "num_qo_heads" not in str(exc.value) and "num_kv_heads" not in str(exc.value)
+    parsed = ModelConfig.from_dict({**cfg, "num_key_value_heads": None, "head_dim": None})  # null: the default
+    assert (parsed.num_kv_heads, parsed.head_dim) == (4, 8)

@@ -235,7 +235,7 @@ def _table_args(device):
         (dict(kv_indices=[5, -1, 2]), ValueError, "kv_indices: index -1 at position 1 is outside the pool"),
         (dict(kv_indices=[5, 1]), ValueError, r"kv_indices: has 2 entries but kv_indptr\[-1\] is 3"),
         (dict(kv_indptr=[0, 2, 1, 3]), ValueError, "kv_indptr: expected monotone"),
-        (dict(kv_indptr=[1, 2, 2, 3]), ValueError, "kv_indptr: expected the first entry to be 0"),
+        (dict(kv_indptr=[-1, 2, 2, 3]), ValueError, "kv_indptr: expected a first entry >= 0, got -1"),
         (dict(kv_last_page_len=[5, 0, 1]), ValueError,
          r"kv_last_page_len: row 0 has 2 pages and last_page_len 5; expected 1\.\.4"),
         (dict(kv_last_page_len=[0, 0, 1]), ValueError, "kv_last_page_len: row 0 has 2 pages and last_page_len 0"),
@@ -294,3 +294,89 @@ def test_from_page_lists_rejects():
     with pytest.raises(TypeError, match=r"page_lists\[0\]: entry 0 is float"):
         PageTable.from_page_lists([[0.0]], [3], 16)
     assert PageTable.from_page_lists([[3]], torch.tensor([2]), 16).kv_indices.tolist() == [3]
+
+
+def test_from_page_lists_rejects_ids_outside_int32():
+    with pytest.raises(ValueError, match=r"page_lists: row 0 holds page id 1099511627776; page ids are int32"):
+        PageTable.from_page_lists([[2**40]], [3], 4)
+    with pytest.raises(ValueError, match="page_lists: row 1 holds page id -1"):
+        PageTable.from_page_lists([[0], [-1, 2]], [3, 5], 4)
+    with pytest.raises(ValueError, match="page_size: expected at most 2147483647"):
+        PageTable.from_page_lists([[0]], [3], 2**40)
+    assert PageTable.from_page_lists([[2**31 - 1]], [3], 4).kv_indices.tolist() == [2**31 - 1]
+
+
+def test_get_batch_indices_positions_seq_lens_shorter_than_the_append(device):
+    """Validated: an error naming seq_lens. Not validated (no host sync): the tokens that
+    would land at negative positions are skipped (-1), never given a negative position."""
+    append_indptr = torch.tensor([0, 3, 5, 6], dtype=i32, device=device)
+    seq_lens = torch.tensor([1, 7, 1], dtype=i32, device=device)  # row 0 appends 3 tokens but has length 1
+    with pytest.raises(ValueError, match="seq_lens: row 0 has length 1 but appends 3 tokens"):
+        get_batch_indices_positions(append_indptr, seq_lens, 6)
+    bi, pos = get_batch_indices_positions(append_indptr, seq_lens, 7, validate=False)
+    assert bi.tolist() == [-1, -1, 0, 1, 1, 2, -1] and pos.tolist() == [-1, -1, 0, 5, 6, 0, -1]
+    with pytest.raises(TypeError, match="validate: expected a bool"):
+        get_batch_indices_positions(append_indptr, seq_lens, 6, validate=1)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_cache_of_the_other_layout_is_named(device, layout):
+    """A cache passed with the wrong kv_layout: the error names the layout mismatch, not
+    q's head count or kv_last_page_len (which the swapped page/head axes would break)."""
+    from cascadeinfer.cascade.multi_level import MultiLevelCascadeAttention  # noqa: PLC0415
+    from cascadeinfer.kernels.decode import batch_decode_paged  # noqa: PLC0415
+    from cascadeinfer.kernels.prefill import batch_prefill_paged  # noqa: PLC0415
+
+    page_size, hkv, d = 16, 2, 32
+    other = "HND" if layout == "NHD" else "NHD"
+    inner = (hkv, page_size) if other == "HND" else (page_size, hkv)
+    cache = torch.randn(6, 2, *inner, d, device=device)  # built in the other layout
+    indptr, indices = torch.tensor([0, 3, 6], dtype=i32, device=device), torch.arange(6, dtype=i32, device=device)
+    last = torch.tensor([9, 16], dtype=i32, device=device)
+    qo_indptr = torch.tensor([0, 1, 2], dtype=i32, device=device)
+    for hq in (4, 32):  # 4 heads: q's head count breaks too; 32: only kv_last_page_len does
+        q = torch.randn(2, hq, d, device=device)
+        with pytest.raises(ValueError, match=f"paged_kv_cache: read as kv_layout='{layout}'.*pass kv_layout='{other}'"):
+            batch_decode_paged(q, cache, indptr, indices, last, kv_layout=layout)
+        with pytest.raises(ValueError, match=f"is it an {other} cache"):
+            batch_prefill_paged(q, qo_indptr, cache, indptr, indices, last, kv_layout=layout)
+    attn = MultiLevelCascadeAttention(1, kv_layout=layout, device=device)
+    attn.plan([qo_indptr], [indptr], [indices], [last], 4, hkv, d, page_size)
+    with pytest.raises(ValueError, match=f"pass kv_layout='{other}'"):
+        attn.run(torch.randn(2, 4, d, device=device), cache)
+    # where the other reading does not fit either, the usual checks speak
+    with pytest.raises(ValueError, match="kv_last_page_len"):
+        batch_decode_paged(torch.randn(2, 32, d, device=device), cache, indptr, indices,
+                           torch.tensor([9, 40], dtype=i32, device=device), kv_layout=other)
+
+
+def test_one_page_table_rule_everywhere(device):
+    """The same table is accepted, or refused with the same message, by PageTable, decode,
+    prefill, append and the cascade plan: a start past 0 and unread entries past
+    kv_indptr[-1] are fine; an empty row with a last-page length is not."""
+    from cascadeinfer import (MultiLevelCascadeAttention, append_paged_kv_cache, batch_decode_paged,
+                              batch_prefill_paged)
+
+    t = lambda x: torch.tensor(x, dtype=i32, device=device)  # noqa: E731
+    cache = torch.randn(6, 2, 4, 2, 16, device=device)
+    q = torch.randn(2, 4, 16, device=device)
+    qo = torch.arange(3, dtype=i32, device=device)
+    ok = dict(kv_indptr=t([1, 3, 4]), kv_indices=t([5, 0, 2, 4, 1]), kv_last_page_len=t([2, 4]))
+    empty_row = dict(kv_indptr=t([0, 2, 2]), kv_indices=t([0, 2]), kv_last_page_len=t([2, 3]))
+
+    def calls(tab):
+        return [
+            lambda: PageTable(tab["kv_indptr"], tab["kv_indices"], tab["kv_last_page_len"], 4, 6),
+            lambda: batch_decode_paged(q, cache, tab["kv_indptr"], tab["kv_indices"], tab["kv_last_page_len"]),
+            lambda: batch_prefill_paged(q, qo, cache, tab["kv_indptr"], tab["kv_indices"], tab["kv_last_page_len"]),
+            lambda: append_paged_kv_cache(q[:, :2], q[:, 2:], t([-1, -1]), t([0, 0]), cache, tab["kv_indices"],
+                                          tab["kv_indptr"], tab["kv_last_page_len"]),
+            lambda: MultiLevelCascadeAttention(1, device=device).plan(
+                [qo], [tab["kv_indptr"]], [tab["kv_indices"]], [tab["kv_last_page_len"]], 4, 2, 16, 4, num_pages=6),
+        ]
+
+    for call in calls(ok):
+        call()
+    for call in calls(empty_row):
+        with pytest.raises(ValueError, match="row 1 has no pages and last_page_len 3"):
+            call()

@@ -32,7 +32,7 @@ from cascadeinfer.kernels.decode import batch_decode_paged, pick_decode_schedule
 from cascadeinfer.kernels.launch import LaunchCache, Recording, call_key, recording
 from cascadeinfer.kernels.merge import merge_state
 from cascadeinfer.kernels.prefill import batch_prefill_paged, paged_num_splits
-from cascadeinfer.layouts.paged_cache import cache_tensors, check_kv_layout, unpack_paged_kv_cache
+from cascadeinfer.layouts.paged_cache import cache_tensors, check_kv_layout, check_layout_fits, unpack_paged_kv_cache
 from cascadeinfer.ops import split_cache
 
 
@@ -52,19 +52,25 @@ class _DeviceLevel:
         return self.qo_indptr, self.kv_indptr, self.kv_indices, self.kv_last_page_len
 
 
-def _device_level(level: HostLevel, device: torch.device, old: _DeviceLevel | None) -> _DeviceLevel:
-    tensors = [t.to(device=device, dtype=torch.int32)
-               for t in (level.qo_indptr, level.kv_indptr, level.kv_indices, level.kv_last_page_len)]
-    q_per_group = level.qo_indptr[1:] - level.qo_indptr[:-1]
-    decode = bool((q_per_group == 1).all())
-    if old is not None and all(o.shape == n.shape for o, n in zip(old.tensors(), tensors)):
-        for o, n in zip(old.tensors(), tensors):
-            o.copy_(n)  # in place: a graph captured on these buffers sees the new tables
-        old.decode = decode
-        old.num_splits = None
-        old.schedule = None
-        return old
-    return _DeviceLevel(*tensors, decode=decode)
+def _upload(levels: list[HostLevel], device: torch.device, old: list[_DeviceLevel],
+            packed: torch.Tensor | None) -> tuple[list[_DeviceLevel], torch.Tensor]:
+    """The levels' int32 tables on ``device``, all in one buffer (one host-to-device copy).
+
+    When every table has the shape it had in ``old``, the copy goes into the same buffer,
+    so a graph captured on these tensors sees the new tables, and ``old`` is returned.
+    """
+    host = [t for lv in levels for t in (lv.qo_indptr, lv.kv_indptr, lv.kv_indices, lv.kv_last_page_len)]
+    sizes = [t.numel() for t in host]
+    flat = torch.cat(host).to(torch.int32)
+    decode = [bool((lv.qo_indptr[1:] - lv.qo_indptr[:-1] == 1).all()) for lv in levels]
+    if packed is not None and len(old) == len(levels) and [t.numel() for o in old for t in o.tensors()] == sizes:
+        packed.copy_(flat)  # in place: a graph captured on these buffers sees the new tables
+        for o, d in zip(old, decode):
+            o.decode, o.num_splits, o.schedule = d, None, None
+        return old, packed
+    packed = flat.to(device)
+    views = list(torch.split(packed, sizes))
+    return [_DeviceLevel(*views[4 * i:4 * i + 4], decode=d) for i, d in enumerate(decode)], packed
 
 
 class MultiLevelCascadeAttention:
@@ -94,6 +100,8 @@ class MultiLevelCascadeAttention:
             "cuda" if torch.cuda.is_available() else "cpu"))
         self._levels: list[_DeviceLevel] = []
         self._flat: _DeviceLevel | None = None
+        self._packed: torch.Tensor | None = None  # the levels' tables, one device buffer
+        self._packed_flat: torch.Tensor | None = None
         self._overlap = False
         self._stream: torch.cuda.Stream | None = None
         self._planned = False
@@ -173,8 +181,7 @@ class MultiLevelCascadeAttention:
         self.use_cascade = cascade or self.num_levels == 1
         self._overlap = False
         if self.use_cascade:
-            old = self._levels if len(self._levels) == self.num_levels else [None] * self.num_levels
-            self._levels = [_device_level(lv, self.device, o) for lv, o in zip(levels, old)]
+            self._levels, self._packed = _upload(levels, self.device, self._levels, self._packed)
             # The decode level runs on a side stream beside the prefill level above it; that
             # level's grid is sized to leave the decode its share of the SMs (from shapes).
             # The planner gives a share only where the prefill level is compute-bound: 64- or
@@ -187,7 +194,8 @@ class MultiLevelCascadeAttention:
                     int(pre.qo_indptr[-1]), pre.num_groups, num_qo_heads, num_kv_heads, head_dim, dtype,
                     pre.kv_indices.numel() * page_size, self.device, sm_share=prefix_share)
         else:
-            self._flat = _device_level(flat, self.device, self._flat)
+            (self._flat,), self._packed_flat = _upload(
+                [flat], self.device, [self._flat] if self._flat else [], self._packed_flat)
         # A decode level's schedule from its lengths, known here on the host: the balanced
         # one when they vary a lot or the per-request grid ends in a partial wave.
         dev_level, host_level = (self._levels[-1], levels[-1]) if self.use_cascade else (self._flat, flat)
@@ -310,7 +318,8 @@ class MultiLevelCascadeAttention:
         if out is None:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if lse is None:
-            lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+            # An LSE nobody reads goes to the recording's own buffer (runs are ordered).
+            lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else launches.lse
         launches.replay((q, *cache_tensors(paged_kv_cache), out, lse))
         return (out, lse) if return_lse else out
 
@@ -320,6 +329,7 @@ class MultiLevelCascadeAttention:
                      shape=(self.num_tokens, self.num_qo_heads, self.head_dim))
         check_last_dim_contiguous("q", q)
         kv = unpack_paged_kv_cache(paged_kv_cache, self.kv_layout)
+        check_layout_fits(kv, num_kv_heads=self.num_kv_heads, page_size=self.page_size)
         if (kv.page_size, kv.num_kv_heads, kv.head_dim) != (self.page_size, self.num_kv_heads, self.head_dim):
             raise ValueError(
                 f"paged_kv_cache: planned for page_size={self.page_size}, num_kv_heads={self.num_kv_heads}, "
@@ -348,7 +358,7 @@ class MultiLevelCascadeAttention:
             level = self._levels[0] if self.use_cascade else self._flat
             with recording(roots, keep_scratch=True) as only:
                 self._level_state(level, q, paged_kv_cache, self.causal, scale, out, lse)
-            return _Launches(only)
+            return _Launches(lse, only)
         # The intermediate states live in the recordings (the plan's own buffers).
         o_last, lse_last = torch.empty_like(out), torch.empty_like(lse)
         side = self._side_stream() if self._overlap else None
@@ -362,7 +372,7 @@ class MultiLevelCascadeAttention:
             torch.cuda.current_stream(q.device).wait_stream(side)
         with recording(roots, keep_scratch=True) as merge:
             self._merge(o_up, lse_up, o_last, lse_last, out, lse)
-        return _Launches(upper, last, merge, side)
+        return _Launches(lse, upper, last, merge, side)
 
     def _run_traced(self, q, paged_kv_cache, out, lse, return_lse, sm_scale):
         """``run`` without recordings: every check, then the levels one after the other on
@@ -397,10 +407,12 @@ def _on(stream: torch.cuda.Stream | None):
 
 class _Launches:
     """A plan's recorded run: the levels above the last (caller's stream), the last level
-    (on ``side`` when it runs beside them), and the final merge."""
+    (on ``side`` when it runs beside them), and the final merge; ``lse`` is the LSE buffer
+    of calls that do not ask for it."""
 
-    def __init__(self, upper: Recording, last: Recording | None = None, merge: Recording | None = None,
-                 side: torch.cuda.Stream | None = None) -> None:
+    def __init__(self, lse: torch.Tensor, upper: Recording, last: Recording | None = None,
+                 merge: Recording | None = None, side: torch.cuda.Stream | None = None) -> None:
+        self.lse = lse
         self.upper, self.last, self.merge, self.side = upper, last, merge, side
         self.valid = all(r.valid for r in (upper, last, merge) if r is not None)
         if side is not None:

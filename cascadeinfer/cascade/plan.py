@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from cascadeinfer.cascade.cost import DeviceModel, LevelShape, predict_seconds, prefix_sm_fraction, side_stream_runs
-from cascadeinfer.layouts.indptr import validate_indptr
+from cascadeinfer.layouts.page_table import check_page_table_values
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +47,19 @@ def _to_host(name: str, t: object) -> torch.Tensor:
         raise TypeError(f"{name}: expected a 1-D int32 tensor or a sequence of ints") from exc
 
 
+def _check_qo_indptr(name: str, qo: torch.Tensor) -> None:
+    """A query indptr: at least one entry, starts at 0, non-decreasing (host tensor)."""
+    if qo.numel() == 0:
+        raise ValueError(f"{name}: expected at least one entry (an indptr of n groups has n + 1)")
+    if int(qo[0]) != 0:
+        raise ValueError(f"{name}: expected the first entry to be 0, got {int(qo[0])}")
+    down = qo[1:] < qo[:-1]
+    if bool(down.any()):
+        i = int(down.nonzero()[0, 0])
+        raise ValueError(f"{name}: expected monotone non-decreasing entries, got "
+                         f"{name}[{i}] = {int(qo[i])} > {name}[{i + 1}] = {int(qo[i + 1])}")
+
+
 def host_levels(
     qo_indptr_arr: Sequence,
     kv_indptr_arr: Sequence,
@@ -64,32 +77,27 @@ def host_levels(
             raise ValueError(f"{name}: expected a list of {num_levels} tensors (one per level), got {got}")
     levels = []
     for lv in range(num_levels):
+        names = (f"kv_indptr_arr[{lv}]", f"kv_indices_arr[{lv}]", f"kv_last_page_len_arr[{lv}]")
         qo = _to_host(f"qo_indptr_arr[{lv}]", qo_indptr_arr[lv])
-        kp = _to_host(f"kv_indptr_arr[{lv}]", kv_indptr_arr[lv])
-        ki = _to_host(f"kv_indices_arr[{lv}]", kv_indices_arr[lv])
-        kl = _to_host(f"kv_last_page_len_arr[{lv}]", kv_last_page_len_arr[lv])
-        validate_indptr(f"qo_indptr_arr[{lv}]", qo.tolist())
-        validate_indptr(f"kv_indptr_arr[{lv}]", kp.tolist())
+        kp, ki, kl = (_to_host(name, arr[lv]) for name, arr in zip(
+            names, (kv_indptr_arr, kv_indices_arr, kv_last_page_len_arr)))
+        _check_qo_indptr(f"qo_indptr_arr[{lv}]", qo)
         groups = qo.numel() - 1
         if kp.numel() != groups + 1 or kl.numel() != groups:
             raise ValueError(
                 f"kv_indptr_arr[{lv}] / kv_last_page_len_arr[{lv}]: level {lv} has {groups} query groups, "
                 f"so expected {groups + 1} and {groups} entries, got {kp.numel()} and {kl.numel()}"
             )
-        if ki.numel() != int(kp[-1]):
-            raise ValueError(f"kv_indices_arr[{lv}]: expected kv_indptr[-1] = {int(kp[-1])} entries, got {ki.numel()}")
-        if ki.numel() and (int(ki.min()) < 0 or (num_pages is not None and int(ki.max()) >= num_pages)):
-            bad = int(ki.min()) if int(ki.min()) < 0 else int(ki.max())
-            raise ValueError(f"kv_indices_arr[{lv}]: page {bad} is outside the pool of {num_pages} pages")
-        nonempty = kp[1:] > kp[:-1]
-        if bool(((kl < 1) | (kl > page_size))[nonempty].any()):
-            raise ValueError(f"kv_last_page_len_arr[{lv}]: non-empty rows need a last-page length in [1, {page_size}]")
+        check_page_table_values(kp, ki, kl, page_size, num_pages, names=names)
         if lv and int(qo[-1]) != int(levels[0].qo_indptr[-1]):
             raise ValueError(
                 f"qo_indptr_arr[{lv}]: every level must cover the same {int(levels[0].qo_indptr[-1])} query tokens, "
                 f"got {int(qo[-1])}"
             )
-        levels.append(HostLevel(qo, kp, ki, kl))
+        # The plan keeps its own copy of the used entries, counted from 0 (the rule lets
+        # kv_indices run past kv_indptr[-1] and kv_indptr start past 0).
+        first = int(kp[0])
+        levels.append(HostLevel(qo, kp - first, ki[first:int(kp[-1])], kl))
     for lv in range(1, num_levels):
         parent_of(levels[lv - 1], levels[lv], lv)
     return levels

@@ -82,6 +82,47 @@ def _completion_text(out, llm) -> str:
     return "\n".join(parts)
 
 
+def _print_stream(stream, out, err) -> None:
+    """Write one sample's text to ``out`` as it grows, then its length and finish reason
+    to ``err`` (so that ``out`` holds the text alone).
+
+    While the request runs, text ending in U+FFFD is held back: the next token may
+    complete the character. The final output is written whatever it ends with (a
+    sequence cut inside a character ends in U+FFFD for good), and if the tokenizer
+    rewrote text already shown, the whole final text follows on a new line."""
+    shown = ""
+    for _, update in stream:
+        sample = update.outputs[0]
+        text = sample.text if sample.text is not None else " ".join(map(str, sample.token_ids)) + " "
+        if text.startswith(shown) and (update.finished or not text.endswith("\ufffd")):
+            out.write(text[len(shown):])
+            shown = text
+        elif update.finished:
+            out.write("\n" + text)
+        out.flush()
+        if update.finished:
+            out.write("\n")
+            out.flush()
+            err.write(f"({len(sample.token_ids)} tokens, {sample.finish_reason})\n")
+
+
+def _device_problem(device: str | None) -> str | None:
+    """Why ``--device`` cannot be used here, in one line; None when it can (or is unset)."""
+    if device is None:
+        return None
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError) as exc:
+        return f"--device {device!r} is not a device: {exc}"
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+            return f"--device {device}: CUDA is not available ({why}); use --device cpu"
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            return f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) are visible"
+    return None
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from cascadeinfer.engine.llm import LLM  # noqa: PLC0415
     from cascadeinfer.engine.model_loader import ModelLoadError  # noqa: PLC0415
@@ -99,15 +140,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except (ModelLoadError, TypeError, ValueError) as exc:
         raise SystemExit(f"error: {exc}") from None
     if len(prompts) == 1 and args.n == 1 and not args.no_stream:
-        shown = ""
-        for _, out in stream:  # print the growing text's new part
-            sample = out.outputs[0]
-            text = sample.text if sample.text is not None else " ".join(map(str, sample.token_ids)) + " "
-            if text.startswith(shown) and not text.endswith("\ufffd"):  # hold back half a character
-                sys.stdout.write(text[len(shown):])
-                sys.stdout.flush()
-                shown = text
-        print()
+        _print_stream(stream, sys.stdout, sys.stderr)
         return 0
     bar = None
     if not args.no_progress:
@@ -166,6 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    problem = _device_problem(args.device)
+    if problem is not None:  # a usage error (exit code 2, like argparse's), not a traceback
+        print(f"cascadeinfer {args.command}: error: {problem}", file=sys.stderr)
+        return 2
     with torch.inference_mode():
         return int(args.func(args) or 0)
 

@@ -29,6 +29,11 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
            "float": torch.float32}
 
 
+# ModelConfig fields spelled differently in config.json: errors name the file's key.
+_CONFIG_KEYS = {"num_layers": "num_hidden_layers", "num_qo_heads": "num_attention_heads",
+                "num_kv_heads": "num_key_value_heads"}
+
+
 class ModelLoadError(ValueError):
     """A model directory, config or weight file that the engine cannot use."""
 
@@ -100,7 +105,8 @@ class ModelConfig:
                      "num_kv_heads", "head_dim", "max_position_embeddings"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ModelLoadError(f"config.json: {name} must be a positive int, got {value!r}")
+                raise ModelLoadError(f"config.json: {_CONFIG_KEYS.get(name, name)} must be a positive int, "
+                                     f"got {value!r}")
         if self.num_qo_heads % self.num_kv_heads:
             raise ModelLoadError(
                 f"config.json: num_attention_heads ({self.num_qo_heads}) must be a multiple of "
@@ -148,8 +154,12 @@ class ModelConfig:
             raise ModelLoadError(f"{source}: hidden_act {act!r} is not supported (the SwiGLU MLP needs 'silu')")
         heads = need("num_attention_heads")
         hidden = need("hidden_size")
-        head_dim = cfg.get("head_dim") or (hidden // heads if isinstance(hidden, int) and isinstance(heads, int)
-                                           and heads > 0 else None)
+        # Absent or null means "the default"; any other value, 0 included, is checked as given.
+        head_dim = cfg.get("head_dim")
+        if head_dim is None and isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
+            head_dim = hidden // heads
+        kv_heads = cfg.get("num_key_value_heads")
+        kv_heads = heads if kv_heads is None else kv_heads
         theta, scaling = _rope_settings(cfg, source)
         sliding = cfg.get("sliding_window")
         if model_type == "qwen2" and not cfg.get("use_sliding_window", False):
@@ -166,7 +176,7 @@ class ModelConfig:
                 intermediate_size=need("intermediate_size"),
                 num_layers=need("num_hidden_layers"),
                 num_qo_heads=heads,
-                num_kv_heads=cfg.get("num_key_value_heads") or heads,
+                num_kv_heads=kv_heads,
                 head_dim=head_dim,
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 rope_theta=theta,

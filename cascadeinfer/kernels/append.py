@@ -29,7 +29,7 @@ from cascadeinfer._checks import (
     use_triton,
 )
 from cascadeinfer.kernels.launch import LaunchCache, call_key, launch, recorded
-from cascadeinfer.layouts.page_table import get_seq_lens, validate_page_table
+from cascadeinfer.layouts.page_table import check_pages_in_pool, get_seq_lens, validate_page_table
 from cascadeinfer.layouts.paged_cache import PagedKV, PagedKVCache, cache_tensors, unpack_paged_kv_cache
 
 
@@ -237,11 +237,22 @@ def _append_torch(
     kv_indices: torch.Tensor,
     kv_indptr: torch.Tensor,
 ) -> None:
-    """Vectorised PyTorch path for plain CPU tensors (no sync-freedom needed there)."""
+    """Vectorised PyTorch path for plain CPU tensors (no sync-freedom needed there). Its
+    bounds are checked whatever ``validate`` says: a token outside its row or the pool is
+    an ``IndexError``, never a write elsewhere."""
+    check_pages_in_pool(kv_indptr, kv_indices, kv.num_pages)
     real = batch_indices >= 0
     rows = batch_indices[real].long()
     pos = positions[real].long()
-    pages = kv_indices.long()[kv_indptr.long()[rows] + pos // kv.page_size]
+    n = kv_indptr.numel() - 1
+    if rows.numel() and int(rows.max()) >= n:
+        raise IndexError(f"batch_indices: row {int(rows.max())} is outside the {n} rows of kv_indptr")
+    slot_of = kv_indptr.long()[rows] + pos // kv.page_size
+    outside = (pos < 0) | (slot_of >= kv_indptr.long()[rows + 1])
+    if bool(outside.any()):
+        j = int(outside.nonzero()[0, 0])
+        raise IndexError(f"positions: token {j} at position {int(pos[j])} lies outside its row's pages")
+    pages = kv_indices.long()[slot_of]
     slots = pos % kv.page_size
     for cache, src in ((kv.k, append_key), (kv.v, append_value)):
         nhd = cache if kv.kv_layout == "NHD" else cache.transpose(1, 2)  # view [P, page_size, H, D]

@@ -64,10 +64,16 @@ from cascadeinfer.kernels import decode_balanced as balanced
 from cascadeinfer.kernels import merge as merge_mod
 from cascadeinfer.kernels.decode_balanced import attend_tile
 from cascadeinfer.kernels.launch import LaunchCache, call_key, launch, recorded, scratch
-from cascadeinfer.layouts.paged_cache import PagedKV, PagedKVCache, cache_tensors, unpack_paged_kv_cache
+from cascadeinfer.layouts.page_table import check_pages_in_pool, validate_page_table
+from cascadeinfer.layouts.paged_cache import (
+    PagedKV,
+    PagedKVCache,
+    cache_tensors,
+    check_layout_fits,
+    unpack_paged_kv_cache,
+)
 
 LOG2E = 1.4426950408889634  # log2(e): natural-log scores -> base-2 scores
-_LN2 = tl.constexpr(0.6931471805599453)  # ln(2): base-2 LSE -> natural-log LSE (used in the kernel)
 
 
 @triton.jit
@@ -198,12 +204,10 @@ def _decode_kernel(
             qk_scale, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, True, IEEE,
         )
 
-    # Empty range (l == 0): o = 0, lse = -inf. Base change here: m and log2(l) are base 2,
-    # the stored LSE is natural log.
-    has_keys = l_i > 0
-    l_safe = tl.where(has_keys, l_i, 1.0)
-    o = acc / l_safe[:, None]
-    lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * _LN2, float("-inf"))
+    # Emptiness comes from the range, never from l: a NaN key leaves l = NaN, which must
+    # reach the output, not pass for "no keys". finish_state changes the base: m and
+    # log2(l) are base 2, the stored LSE is natural log.
+    o, lse = merge_mod.finish_state(acc, l_i, m_i, t_end > t_begin)
 
     heads64 = heads.to(tl.int64)
     if SPLIT:
@@ -442,30 +446,8 @@ def pick_decode_schedule(batch: int, num_kv_heads: int, device: torch.device | s
 def _check_page_table(
     kv: PagedKV, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor
 ) -> None:
-    """Content checks (one host sync): monotone indptr inside kv_indices, pages in the pool,
-    last_page_len in [1, page_size] for every row that has pages."""
-    indptr = kv_indptr.cpu()
-    if int(indptr[0]) < 0 or bool((indptr[1:] < indptr[:-1]).any()):
-        raise ValueError(f"kv_indptr: expected a non-decreasing sequence starting >= 0, got {indptr.tolist()[:16]}")
-    if int(indptr[-1]) > kv_indices.numel():
-        raise ValueError(
-            f"kv_indptr: last entry {int(indptr[-1])} exceeds the length of kv_indices ({kv_indices.numel()})"
-        )
-    used = kv_indices[int(indptr[0]):int(indptr[-1])]
-    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= kv.num_pages):
-        raise ValueError(
-            f"kv_indices: page ids must lie in [0, {kv.num_pages}) (the pool size), "
-            f"got min {int(used.min())}, max {int(used.max())}"
-        )
-    last = kv_last_page_len.cpu()
-    has_pages = indptr[1:] > indptr[:-1]
-    bad = has_pages & ((last < 1) | (last > kv.page_size))
-    if bool(bad.any()):
-        row = int(bad.nonzero()[0, 0])
-        raise ValueError(
-            f"kv_last_page_len: expected values in [1, {kv.page_size}] for rows with pages, "
-            f"got {int(last[row])} at row {row}"
-        )
+    """Content checks (one host sync): the library's page-table rule against this pool."""
+    validate_page_table(kv_indptr, kv_indices, kv_last_page_len, kv.page_size, kv.num_pages)
 
 
 def batch_decode_paged(
@@ -562,6 +544,8 @@ def _batch_decode_paged(
     check_last_dim_contiguous("q", q)
     kv = unpack_paged_kv_cache(paged_kv_cache, kv_layout)
     batch, num_qo_heads, head_dim = q.shape
+    check_layout_fits(kv, num_qo_heads=num_qo_heads,
+                      kv_last_page_len=kv_last_page_len if validate and not capturing() else None)
     if kv.dtype != q.dtype:
         raise TypeError(f"paged_kv_cache: expected dtype {q.dtype} (the dtype of q), got {kv.dtype}")
     device = same_device(("q", q), ("paged_kv_cache", kv.k))
@@ -597,6 +581,7 @@ def _batch_decode_paged(
     if validate and not capturing():
         _check_page_table(kv, kv_indptr, kv_indices, kv_last_page_len)
     if not use_triton(device):
+        check_pages_in_pool(kv_indptr.cpu(), kv_indices.cpu(), kv.num_pages)
         if batch:
             o_ref, lse_ref = batch_decode_paged_ref(q, kv, kv_indptr, kv_indices, kv_last_page_len, sm_scale=scale)
             out.copy_(o_ref)
@@ -696,6 +681,9 @@ def batch_decode_paged_ref(
     ``q: [batch, Hq, D]``, ``kv`` from :func:`unpack_paged_kv_cache`, page table as in
     :func:`batch_decode_paged` (read on the host). Returns ``(o [batch, Hq, D] float64,
     lse [batch, Hq] float64)``, natural log; rows with no keys give ``(0, -inf)``.
+    Non-finite input as in :func:`cascadeinfer.kernels.reference.attention_state_ref`: a
+    NaN or +inf score, or a NaN or inf in a value of the request's keys, gives
+    ``(NaN, NaN)``; the padding past a request's length never touches it.
     """
     batch, hq, d = q.shape
     hkv, page = kv.num_kv_heads, kv.page_size
@@ -720,9 +708,13 @@ def batch_decode_paged_ref(
         k, v = kv.k[pages, :, slot], kv.v[pages, :, slot]  # advanced dims first: [batch, L, Hkv, D]
     qg = q.double().reshape(batch, hkv, hq // hkv, d)
     s = torch.einsum("bhgd,blhd->bhgl", qg, k.double()) * scale
-    s = s.masked_fill(~valid[:, None, None, :], -math.inf)
-    lse_g = torch.logsumexp(s, dim=-1)  # [batch, Hkv, G]
+    s = s.masked_fill(~valid[:, None, None, :], -math.inf)  # padding: never its (maybe NaN) score
+    lse_g = torch.logsumexp(s, dim=-1)  # [batch, Hkv, G]; NaN/+inf from such scores
     finite = torch.isfinite(lse_g)
     p = torch.where(finite[..., None], torch.exp(s - torch.where(finite, lse_g, 0.0)[..., None]), 0.0)
-    o = torch.einsum("bhgl,blhd->bhgd", p, v.double()).reshape(batch, hq, d)
-    return o, lse_g.reshape(batch, hq)
+    v_ok = torch.isfinite(v).all(dim=-1)  # [batch, L, Hkv]
+    o = torch.einsum("bhgl,blhd->bhgd", p, torch.where(v_ok[..., None], v.double(), 0.0))
+    # a key's non-finite value reaches the row at any weight (0 * inf = NaN); padding's never
+    bad = (valid[..., None] & ~v_ok).any(dim=1)[..., None] | torch.isnan(lse_g) | (lse_g == math.inf)
+    o = o.masked_fill(bad[..., None], math.nan).reshape(batch, hq, d)
+    return o, lse_g.masked_fill(bad, math.nan).reshape(batch, hq)

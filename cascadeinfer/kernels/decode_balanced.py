@@ -53,6 +53,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from cascadeinfer._checks import next_power_of_2
 from cascadeinfer.kernels.launch import launch, scratch
+from cascadeinfer.kernels.merge import finish_state
 from cascadeinfer.layouts.paged_cache import PagedKV
 
 _LOG2E = tl.constexpr(1.4426950408889634)  # log2(e), inside kernels
@@ -281,12 +282,10 @@ def _balanced_kernel(
                 qk_scale, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, IEEE,
             )
 
-        # No keys (l == 0): o = 0, lse = -inf. Base change here: m and log2(l) are base 2,
-        # the stored LSE is natural log.
-        has_keys = l_i > 0
-        l_safe = tl.where(has_keys, l_i, 1.0)
-        o = acc / l_safe[:, None]
-        lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * _LN2, float("-inf"))
+        # Emptiness comes from the segment's range, never from l: a NaN key leaves l = NaN,
+        # which must reach the output, not pass for "no keys". finish_state changes the
+        # base: m and log2(l) are base 2, the stored LSE is natural log.
+        o, lse = finish_state(acc, l_i, m_i, t_end > t_begin)
 
         # The request's only segment writes the result; a part of a longer one, its slot.
         whole = (first >= x0) & (end <= x1)
@@ -363,13 +362,18 @@ def _balanced_merge_kernel(
             alpha = tl.exp2((m - m_safe) * _LOG2E)
             w = tl.exp2((s - m_safe[None, :]) * _LOG2E)
             l = l * alpha + tl.sum(w, 0)
-            # a zero weight contributes exactly zero, whatever its slot holds
-            acc = acc * alpha[:, None] + tl.sum(tl.where(w[:, :, None] == 0, 0.0, w[:, :, None] * v), 0)
+            # An empty slot contributes exactly zero, whatever it holds; any other slot's
+            # NaN stays, even at a weight that underflows to 0 (0 * NaN = NaN).
+            empty = (s == float("-inf"))[:, :, None]
+            acc = acc * alpha[:, None] + tl.sum(tl.where(empty, 0.0, w[:, :, None] * v), 0)
             m = m_new
-        has = l > 0
-        l_safe = tl.where(has, l, 1.0)
+        # All slots empty: l == 0, (0, -inf). A NaN or +inf LSE leaves l = NaN (exp2 of
+        # NaN, or of inf - inf), which must come out as NaN, so "empty" is l == 0, never
+        # "not l > 0".
+        empty = l == 0.0
+        l_safe = tl.where(empty, 1.0, l)
         o = acc / l_safe[:, None]
-        lse = tl.where(has, m + tl.log2(l_safe) * _LN2, float("-inf"))  # back to natural log
+        lse = tl.where(empty, float("-inf"), m + tl.log2(l_safe) * _LN2)  # back to natural log
         req64 = req.to(tl.int64)
         tl.store(o_ptr + (req64 * stride_ob + heads64 * stride_oh)[:, None] + offs_d[None, :],
                  o.to(o_ptr.dtype.element_ty), mask=tile_ok)

@@ -43,16 +43,29 @@ _SCRATCH_ALIGN = 256  # bytes: every scratch slice starts on the allocator's own
 
 @dataclass(slots=True)
 class _Launch:
-    """One kernel launch of a recording."""
+    """One kernel launch of a recording.
 
-    kernel: object  # the @triton.jit function (interpreter replay)
-    compiled: object  # its CompiledKernel (CUDA replay); None under the interpreter
+    CUDA: ``args`` is the whole argument list of Triton's C launcher, grid and stream
+    first (:data:`_HEAD` entries), then every kernel parameter in order; fixed tensors are
+    stored as their addresses (``keep`` holds them alive). Interpreter: ``args`` and
+    ``meta`` are the original call's positional and keyword arguments.
+    """
+
+    kernel: object  # the @triton.jit function
+    compiled: object  # its CompiledKernel (CUDA); None under the interpreter
     grid: tuple[int, int, int]
-    args: list  # the positional arguments, every param in order (CUDA) or as given (interpreter)
-    meta: dict  # keyword arguments of the original launch (interpreter replay)
+    args: list
+    meta: dict
     roots: list[tuple[int, int, int]]  # (arg index, root index, byte offset)
     scratch: list[tuple[int, int]]  # (arg index, byte offset in the scratch buffer)
     views: dict[int, tuple]  # arg index -> (dtype, size, stride) of the tensor it had (interpreter)
+    keep: list[torch.Tensor] = field(default_factory=list)
+
+
+# The C launcher's leading arguments: grid x/y/z, stream, function, cooperative, PDL,
+# global and profile scratch, packed metadata, launch metadata, enter and exit hooks.
+_HEAD = 13
+_STREAM = 3
 
 
 @dataclass(slots=True)
@@ -78,9 +91,9 @@ class Recording:
         on ``stream`` (a raw CUDA stream handle; default: the current stream)."""
         if not self.launches:
             return
-        device = roots[0].device
-        if device.type == "cuda":
-            self._replay_cuda(roots, device.index, stream)
+        first = roots[0]
+        if first.is_cuda:
+            self._replay_cuda(roots, first.get_device(), stream)
         else:
             self._replay_interpreted(roots)
 
@@ -91,18 +104,21 @@ class Recording:
             base = torch.empty(self.scratch_bytes, dtype=torch.uint8, device=roots[0].device).data_ptr()
         if stream is None:
             stream = torch._C._cuda_getCurrentRawStream(device_index)
-        enter, exit_ = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-        hooked = bool(enter.calls or exit_.calls)
+        hooked = bool(knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls)
         for ln in self.launches:
             args = ln.args.copy()
+            args[_STREAM] = stream
             for i, r, off in ln.roots:
                 args[i] = ptrs[r] + off
             for i, off in ln.scratch:
                 args[i] = base + off
-            c = ln.compiled
-            meta = c.launch_metadata(ln.grid, stream, *args) if hooked else None
-            c.run(*ln.grid, stream, c.function, c.packed_metadata, meta,
-                  enter if hooked else None, exit_ if hooked else None, *args)
+            if hooked:  # a profiler listens: Triton's own path, with launch metadata and hooks
+                c = ln.compiled
+                c.run(*ln.grid, stream, c.function, c.packed_metadata,
+                      c.launch_metadata(ln.grid, stream, *args[_HEAD:]),
+                      knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *args[_HEAD:])
+            else:
+                ln.compiled.run.launch(*args)
 
     def _replay_interpreted(self, roots) -> None:
         buf = torch.empty(self.scratch_bytes, dtype=torch.uint8, device=roots[0].device) if self.scratch_bytes else None
@@ -117,18 +133,29 @@ class Recording:
     # ---- recording side
 
     def _add(self, kernel, compiled, grid, args: list, meta: dict) -> None:
+        grid = _grid3(grid)
+        head = 0
         if compiled is not None:  # CUDA: every param in signature order, constexprs included
             given = dict(zip(kernel.arg_names, args))
             given.update(meta)
-            args = [given[p.name] if p.name in given else p.default for p in kernel.params]
+            launcher = compiled.run
+            if launcher.global_scratch_size or launcher.profile_scratch_size:
+                self.valid = False  # kernels that need launch-time scratch are not replayed
+            args = [*grid, None, compiled.function, launcher.launch_cooperative_grid, launcher.launch_pdl,
+                    None, None, compiled.packed_metadata, None, None, None,
+                    *(given[p.name] if p.name in given else p.default for p in kernel.params)]
+            head = _HEAD
             meta = {}
-        roots, scratch, views, kept = [], [], {}, list(args)
+        roots, scratch, views, kept, keep = [], [], {}, list(args), []
         for i, a in enumerate(args):
-            if not isinstance(a, torch.Tensor):
+            if i < head or not isinstance(a, torch.Tensor):
                 continue
             ref = self._where(a)
-            if ref is None:
-                continue  # a tensor the recording's owner keeps alive
+            if ref is None:  # a tensor the recording's owner keeps alive: its address is fixed
+                if compiled is not None:
+                    keep.append(a)
+                    kept[i] = a.data_ptr()
+                continue
             if ref[0] == "ambiguous":
                 self.valid = False
                 continue
@@ -140,9 +167,12 @@ class Recording:
             views[i] = (a.dtype, tuple(a.shape), tuple(a.stride()))
             if kind == "root" or not self.keep_scratch:
                 kept[i] = None  # never keep the caller's tensors (or per-replay scratch) alive
+            elif compiled is not None:
+                keep.append(a)
+                kept[i] = a.data_ptr()
         if self.keep_scratch:
             scratch = []  # the scratch tensors themselves stay in the argument list
-        self.launches.append(_Launch(kernel, compiled, _grid3(grid), kept, meta, roots, scratch, views))
+        self.launches.append(_Launch(kernel, compiled, grid, kept, meta, roots, scratch, views, keep))
 
     def _where(self, t: torch.Tensor) -> tuple[str, int, int] | None:
         storage, ptr = t.untyped_storage().data_ptr(), t.data_ptr()

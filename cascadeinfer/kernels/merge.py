@@ -30,16 +30,17 @@ Contract shared by all of them:
   v_a``; for ``merge_states`` also ``out`` = ``v[:, j]``); any other overlap between an
   output and an input is an error, rejected where it is cheap to see (both dense) and
   undefined where it is not (interleaved strided views).
-* A state with LSE ``-inf`` is empty: its ``v`` is ignored. More generally a state whose
-  weight is exactly zero in float32 (``-inf``, or so far below the row's largest LSE,
-  about 87 in natural log, that ``exp`` underflows) contributes exactly zero even if
-  its ``v`` holds NaN or inf. Merging with an empty state returns the other state bit
-  for bit.
+* A state with LSE ``-inf`` is empty: its ``v`` is ignored, even if it holds NaN or
+  inf. Merging with an empty state returns the other state bit for bit.
 * LSE values of ``+inf`` or NaN are not valid states. They are not rejected (that
   would need a host sync on the hot path); instead every (row, head) of the output that
   takes such a state gets ``v = NaN`` and ``s = NaN``, the same on every path, and no
-  other row or head is affected. A NaN or inf inside ``v`` of a state with positive
-  weight likewise stays inside its own (row, head).
+  other row or head is affected. A NaN or inf inside ``v`` of a state that is not empty
+  likewise stays inside its own (row, head) — at any weight: one far enough below the
+  row's largest LSE to underflow to 0 in float32 (about 87 in natural log) still gives
+  ``0 * NaN = NaN``, as the float64 reference does, where it does not underflow. The
+  attention kernels never produce such a state: a row that met a NaN or inf comes out
+  as ``(NaN, NaN)`` (:func:`finish_state`).
 """
 
 from __future__ import annotations
@@ -73,6 +74,31 @@ _LN2 = tl.constexpr(math.log(2.0))  # log2 -> natural log: multiply by ln(2)
 # ----------------------------------------------------------------------------------
 # Kernels
 # ----------------------------------------------------------------------------------
+
+
+@triton.jit
+def finish_state(acc, l, m, has_keys):
+    """The attention state ``(o, lse)`` of a finished online softmax (every attention kernel).
+
+    acc: [R, D] fp32 un-normalised output; l: [R] fp32 sum of exp2(score - m); m: [R] fp32
+    running max score, base 2; has_keys: [R] or scalar, whether the row read any key — a
+    count the caller knows, never inferred from l, because a NaN or +inf score leaves
+    l = NaN and "l > 0" would pass it for an empty row that every merge then drops.
+    Returns ``o`` [R, D] fp32 and the natural-log ``lse`` [R]: ``(0, -inf)`` for a row with
+    no keys; ``(NaN, NaN)`` for a row whose keys held a NaN or inf anywhere (a NaN or +inf
+    score gives l = NaN; a non-finite value leaves acc non-finite even at weight 0, as
+    0 * inf = NaN). The whole row is poisoned, LSE included, so that the merges, which
+    check only the LSE, carry it on. Runs once per row, after the key loop.
+    """
+    l_safe = tl.where(l == 0.0, 1.0, l)  # 0: every score was -inf (then m = -inf too); NaN stays NaN
+    o = acc / l_safe[:, None]
+    lse = (m + tl.log2(l_safe)) * _LN2  # base change: log2 units -> natural log
+    finite = (tl.min((tl.abs(o) < float("inf")).to(tl.int32), 1) > 0) & (lse == lse)  # NaN fails both compares
+    lse = tl.where(finite, lse, float("nan"))
+    lse = tl.where(has_keys, lse, float("-inf"))
+    o = tl.where(finite[:, None], o, float("nan"))
+    o = tl.where((lse == float("-inf"))[:, None], 0.0, o)  # no keys, or only -inf scores: v is 0
+    return o, lse
 
 
 @triton.jit
@@ -137,6 +163,8 @@ def _merge_two_kernel(
     # Back to natural log: log2 of the denominator times ln(2).
     lse = tl.where(m == float("-inf"), float("-inf"), m + tl.log2(denom) * _LN2)
     lse = tl.where(bad, float("nan"), lse)
+    empty_a = (s_a == float("-inf"))[:, None]
+    empty_b = (s_b == float("-inf"))[:, None]
 
     for d0 in tl.static_range(0, HEAD_DIM, BLOCK_D):
         if d0 > 0:  # compile-time: later chunks load here
@@ -144,8 +172,10 @@ def _merge_two_kernel(
             ok = h_ok[:, None] & (d < HEAD_DIM)
             v_a = tl.load(va_rows + d, mask=ok, other=0.0).to(tl.float32)
             v_b = tl.load(vb_rows + d, mask=ok, other=0.0).to(tl.float32)
-        # a zero weight contributes exactly zero, whatever its v holds
-        o = tl.where(w_a == 0, 0.0, w_a * v_a) + tl.where(w_b == 0, 0.0, w_b * v_b)
+        # An empty state contributes exactly zero, whatever its v holds; any other state's
+        # NaN or inf stays (even at a weight that underflows to 0: 0 * NaN = NaN), as it
+        # does in the float64 reference, where that weight does not underflow.
+        o = tl.where(empty_a, 0.0, w_a * v_a) + tl.where(empty_b, 0.0, w_b * v_b)
         o = tl.where(bad[:, None], float("nan"), o)
         tl.store(o_rows + d, o.to(o_ptr.dtype.element_ty), mask=ok)
     tl.store(lse_ptr + row * stride_lse_n + heads * stride_lse_h, lse, mask=h_ok)
@@ -159,8 +189,10 @@ def _add_states(acc, v, s, m_safe, log2_l):
     natural log; m_safe, log2_l: [BLOCK_H] from pass 1."""
     # Base change: the natural-log difference times log2(e); log2_l is already base 2.
     w = tl.exp2((s - m_safe[None, :]) * _LOG2E - log2_l[None, :])[:, :, None]
-    # a zero weight contributes exactly zero, whatever its v holds
-    return acc + tl.sum(tl.where(w == 0, 0.0, w * v), axis=0)
+    # An empty state (and a slot past the row's count, loaded as -inf) contributes exactly
+    # zero, whatever its v holds; any other state's NaN or inf stays, even where its weight
+    # underflows to 0 (0 * NaN = NaN), as in the float64 reference.
+    return acc + tl.sum(tl.where((s == float("-inf"))[:, :, None], 0.0, w * v), axis=0)
 
 
 @triton.jit
@@ -693,15 +725,15 @@ def merge_states_ref(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, to
     """Float64 merge of ``v: [n, S, H, D]``, ``s: [n, S, H]`` (natural log) over dim 1.
 
     Returns ``(v [n, H, D], s [n, H])`` in float64, with the module's contract: empty
-    rows give ``(0, -inf)``; zero-weight states contribute exactly zero; an LSE of
-    ``+inf``/NaN makes its (row, head) ``(NaN, NaN)``.
+    rows give ``(0, -inf)``; empty states contribute exactly zero, any other state's NaN
+    or inf in ``v`` stays; an LSE of ``+inf``/NaN makes its (row, head) ``(NaN, NaN)``.
     """
     s = s.double()
     lse = torch.logsumexp(s, dim=1)  # [n, H]; -inf where every state is empty
     finite = torch.isfinite(lse)
     w = torch.where(finite[:, None], torch.exp(s - torch.where(finite, lse, 0.0)[:, None]), 0.0)
     w = w[..., None]
-    o = torch.where(w == 0, 0.0, w * v.double()).sum(dim=1)
+    o = torch.where((s == -math.inf)[..., None], 0.0, w * v.double()).sum(dim=1)
     bad = (torch.isnan(s) | (s == math.inf)).any(dim=1)
     o = torch.where(bad[..., None], math.nan, o)
     lse = torch.where(bad, math.nan, lse)

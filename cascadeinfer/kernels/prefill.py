@@ -78,20 +78,20 @@ from cascadeinfer._checks import (
     use_triton,
 )
 from cascadeinfer.kernels.launch import LaunchCache, call_key, launch, recorded, scratch
-from cascadeinfer.kernels.merge import merge_states
+from cascadeinfer.kernels.merge import finish_state, merge_states
 from cascadeinfer.kernels.reference import attention_state_ref
 from cascadeinfer.layouts.indptr import validate_indptr
-from cascadeinfer.layouts.page_table import validate_page_table
+from cascadeinfer.layouts.page_table import check_pages_in_pool, validate_page_table
 from cascadeinfer.layouts.paged_cache import (
     PagedKV,
     PagedKVCache,
     cache_tensors,
+    check_layout_fits,
     gather_paged_kv,
     unpack_paged_kv_cache,
 )
 
 LOG2E = math.log2(math.e)  # natural log -> log2 units: scores are scaled by sm_scale * LOG2E
-_LN2 = tl.constexpr(math.log(2.0))  # log2 -> natural log at the store
 
 
 # --------------------------------------------------------------------------------------
@@ -136,7 +136,11 @@ def _softmax_step(
         # exp2(-inf - 0) = 0 instead of exp2(-inf - -inf) = NaN.
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
-        m_sub = m_new  # every row sees every key of an unmasked tile: m_new is finite
+        # Every row sees every key of an unmasked tile: m_new is finite — unless non-finite
+        # input makes every score the row has seen so far -inf; that row then comes out NaN
+        # where the float64 reference gives those keys weight 0. A loud answer to garbage, which the
+        # hot loop does not pay a per-tile guard to avoid.
+        m_sub = m_new
     p = tl.math.exp2(s * qk_scale - m_sub[:, None])  # one FMA per score
     alpha = tl.math.exp2(m_i - m_sub)
     l_i = l_i * alpha + tl.sum(p, 1)
@@ -280,9 +284,17 @@ def _masked_tiles(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr,  # row_hi differs per row: a tile may hold keys some of its rows do not see
 ):
     """The key tiles ``[lo, hi)`` with per-row key limits (the last partial tile, the
-    causal diagonal band): a few tiles per program, plain per-token addressing."""
+    causal diagonal band): a few tiles per program, plain per-token addressing.
+
+    CAUSAL: a row's weight for a key it does not see is 0, and ``p @ v`` would still
+    turn that key's NaN or inf value into ``0 * inf = NaN`` in the row. So such values
+    are zeroed before the product and the key's score made NaN instead, which the mask
+    then hides from the rows that do not see it (the float64 reference's rule: a key's
+    non-finite value poisons exactly the rows that see it). Without CAUSAL every key
+    below ``hi`` is seen by every row and none of this is needed."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     for start in tl.range(lo, hi, BLOCK_N):
@@ -298,6 +310,10 @@ def _masked_tiles(
         k = _load_tile(k_ptr + k_off[:, None] + offs_d[None, :], t_ok, offs_d, True, HEAD_DIM, BLOCK_D)
         v = _load_tile(v_ptr + v_off[:, None] + offs_d[None, :], t_ok, offs_d, True, HEAD_DIM, BLOCK_D)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if CAUSAL:
+            v_ok = tl.abs(v.to(tl.float32)) < float("inf")  # NaN fails the compare too
+            v = tl.where(v_ok, v, tl.zeros_like(v))
+            s = tl.where(tl.min(v_ok.to(tl.int32), 1)[None, :] == 0, float("nan"), s)
         s = tl.where(t[None, :] < row_hi[:, None], s, float("-inf"))
         acc, l_i, m_i = _softmax_step(acc, l_i, m_i, s, v, qk_scale, True, DOT_PRECISION)
     return acc, l_i, m_i
@@ -458,14 +474,14 @@ def _prefill_kernel(
     acc, l_i, m_i = _masked_tiles(
         acc, l_i, m_i, q, k_head, v_head, page_ptr, full_end, masked_end, row_lim,
         stride_kp, stride_kt, stride_vt, qk_scale,
-        PAGED, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION,
+        PAGED, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION, CAUSAL,
     )
 
-    # ---- normalise and store; a row that saw no key stores (0, -inf)
-    seen = l_i > 0.0
-    o = acc / tl.where(seen, l_i, 1.0)[:, None]
-    # Base change: m_i + log2(l_i) is the LSE in log2 units; times ln(2) gives natural log.
-    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * _LN2, float("-inf"))
+    # ---- normalise and store; a row that saw no key stores (0, -inf). Whether it saw one
+    # comes from its key range in this split, never from l: a NaN key leaves l = NaN,
+    # which must reach the output, not pass for "no keys". finish_state changes the base:
+    # m_i + log2(l_i) is the LSE in log2 units, times ln(2) the natural log.
+    o, lse = finish_state(acc, l_i, m_i, tl.minimum(split_hi, row_lim) > split_lo)
     tok64 = (qo_start + tok).to(tl.int64)
     o_off = tok64 * stride_ot + split.to(tl.int64) * stride_os + head.to(tl.int64) * stride_oh
     tl.store(o_ptr + o_off[:, None] + offs_d[None, :], o.to(o_ptr.dtype.element_ty),
@@ -918,6 +934,8 @@ def batch_prefill_paged(
     if num_splits is not None and (not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1):
         raise ValueError(f"num_splits: expected a positive int or None, got {num_splits!r}")
     kv = unpack_paged_kv_cache(paged_kv_cache, kv_layout)
+    check_layout_fits(kv, num_qo_heads=q.shape[1],
+                      kv_last_page_len=kv_last_page_len if validate and not capturing() else None)
     device = same_device(("q", q), ("paged_kv_cache", kv.k))
     _check_qo_indptr(qo_indptr, device)
     check_tensor("kv_indptr", kv_indptr, device=device, shape=(qo_indptr.shape[0],))
@@ -929,6 +947,7 @@ def batch_prefill_paged(
     if contents:
         validate_indptr("qo_indptr", qo_indptr, total=q.shape[0])
     if not use_triton(device):
+        check_pages_in_pool(kv_indptr.cpu(), kv_indices.cpu(), kv.num_pages)
         o64, lse64 = batch_prefill_paged_ref(
             q, qo_indptr, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len,
             causal=causal, kv_layout=kv_layout, sm_scale=scale,

@@ -1,11 +1,17 @@
 """CSR page tables: which pages of a paged KV cache hold each row's keys, in order.
 
     kv_indptr        int32 [n + 1]   row i owns kv_indices[kv_indptr[i]:kv_indptr[i + 1]]
-    kv_indices       int32 [kv_indptr[-1]]   page numbers inside the pool
+    kv_indices       int32 [>= kv_indptr[-1]]   page numbers inside the pool
     kv_last_page_len int32 [n]       tokens used in row i's last page
 
-A row with ``p > 0`` pages holds ``(p - 1) * page_size + kv_last_page_len[i]`` tokens, and
-``1 <= kv_last_page_len[i] <= page_size``. A row with no pages holds 0 tokens.
+**The page-table rule** (one for every launcher, the cascade plan and the engine;
+:func:`check_page_table_values` is its one implementation): ``kv_indptr`` is
+non-decreasing and starts at ``kv_indptr[0] >= 0``; ``kv_indices`` has at least
+``kv_indptr[-1]`` entries, and the entries outside ``[kv_indptr[0], kv_indptr[-1])`` are
+never read (room for fixed-capacity buffers); every used entry is a page of the pool,
+``0 <= page < num_pages``. A row with ``p > 0`` pages holds ``(p - 1) * page_size +
+kv_last_page_len[i]`` tokens, and ``1 <= kv_last_page_len[i] <= page_size``. A row with
+no pages holds 0 tokens.
 
 **Empty rows (our convention, strict):** a row with no pages must have
 ``kv_last_page_len == 0``. FlashInfer ignores the value there; we reject anything else
@@ -13,8 +19,9 @@ when validating, so that a stale length next to a missing page list is caught in
 silently read as "empty". :func:`get_seq_lens` returns 0 for empty rows whatever the value.
 
 The device-side helpers (:func:`get_seq_lens`, :func:`get_batch_indices_positions`) are
-pure torch ops with no host sync, so they can run inside a captured CUDA graph. The
-validators read tensors on the host.
+pure torch ops with no host sync, so they can run inside a captured CUDA graph (the
+latter's optional check of ``seq_lens`` reads them on the host, and is skipped while
+capturing). The validators read tensors on the host.
 """
 
 from __future__ import annotations
@@ -24,8 +31,11 @@ from dataclasses import dataclass
 
 import torch
 
-from cascadeinfer._checks import check_int32_vector, check_tensor
+from cascadeinfer._checks import capturing, check_int32_vector, check_tensor
 from cascadeinfer.layouts.indptr import _as_int_list, _check_indptr_values
+
+
+_INT32_MAX = 2**31 - 1
 
 
 def _check_positive_int(name: str, x: object, *, minimum: int = 1) -> int:
@@ -55,7 +65,7 @@ def get_seq_lens(kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor, page_s
 
 
 def get_batch_indices_positions(
-    append_indptr: torch.Tensor, seq_lens: torch.Tensor, nnz: int
+    append_indptr: torch.Tensor, seq_lens: torch.Tensor, nnz: int, *, validate: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Row and position of every appended token, for :func:`append_paged_kv_cache`.
 
@@ -65,9 +75,16 @@ def get_batch_indices_positions(
     ``positions[j] = seq_lens[i] - append_len_i + t``. Returns ``(batch_indices,
     positions)``, both int32 ``[nnz]`` on the inputs' device.
 
-    ``nnz`` is a host int (the tensors' contents are never read: no host sync, CUDA-graph
-    safe). Tokens ``j >= append_indptr[-1]`` (when ``nnz`` is a padded upper bound) get
-    ``batch_indices = -1`` and ``positions = -1``, which ``append_paged_kv_cache`` skips.
+    ``nnz`` is a host int. Tokens ``j >= append_indptr[-1]`` (when ``nnz`` is a padded
+    upper bound) get ``batch_indices = -1`` and ``positions = -1``, which
+    ``append_paged_kv_cache`` skips.
+
+    A row's ``seq_lens[i]`` must be at least the number of tokens it appends. With
+    ``validate`` (reads both tensors on the host; skipped while a CUDA graph is being
+    captured) a shorter one raises ``ValueError`` naming ``seq_lens``. Without it (no
+    host sync, CUDA-graph safe) the tokens whose position would be negative get
+    ``batch_indices = -1`` and ``positions = -1`` too, so they are skipped, never
+    written at a negative position.
     """
     check_tensor("append_indptr", append_indptr, ndim=1, dtypes=(torch.int32,))
     if append_indptr.shape[0] == 0:
@@ -76,6 +93,17 @@ def get_batch_indices_positions(
     dev = append_indptr.device
     check_tensor("seq_lens", seq_lens, dtypes=(torch.int32,), device=dev, shape=(n,))
     _check_positive_int("nnz", nnz, minimum=0)
+    if not isinstance(validate, bool):
+        raise TypeError(f"validate: expected a bool, got {type(validate).__name__}")
+    if validate and n and not capturing():
+        appended = (append_indptr[1:] - append_indptr[:-1]).cpu()
+        short = seq_lens.cpu() < appended
+        if bool(short.any()):
+            row = int(short.nonzero()[0, 0])
+            raise ValueError(
+                f"seq_lens: row {row} has length {int(seq_lens[row])} but appends {int(appended[row])} tokens; "
+                "seq_lens must count the appended tokens too"
+            )
     if n == 0:
         pad = torch.full((nnz,), -1, dtype=torch.int32, device=dev)
         return pad, pad.clone()
@@ -87,6 +115,7 @@ def get_batch_indices_positions(
     safe_row = row.clamp(0, n - 1)
     # seq_lens[i] - (append_indptr[i+1] - append_indptr[i]) + (token - append_indptr[i])
     pos = seq_lens[safe_row] - append_indptr[safe_row + 1] + token
+    valid &= pos >= 0  # a seq_len shorter than the append (not validated): skip, never a negative slot
     minus_one = torch.full_like(token, -1)
     return torch.where(valid, row, minus_one), torch.where(valid, pos, minus_one)
 
@@ -100,17 +129,15 @@ def validate_page_table(
     *,
     contents: bool = True,
 ) -> None:
-    """Check a CSR page table; raise ``ValueError``/``TypeError`` naming the argument.
+    """Check a CSR page table against the library's one page-table rule (the module
+    docstring); raise ``ValueError``/``TypeError`` naming the argument.
 
     Always (no host sync): the three tensors are int32, 1-D, contiguous and on one device,
     ``len(kv_last_page_len) == len(kv_indptr) - 1``, ``page_size >= 1`` and ``num_pages``
     (the pool size, or ``None`` to skip the range check) ``>= 0``.
 
     With ``contents`` (reads the tensors on the host: launchers pass
-    ``contents=validate and not capturing()``): ``kv_indptr`` starts at 0 and is monotone,
-    ``len(kv_indices) == kv_indptr[-1]``, every index is in ``[0, num_pages)``, and
-    ``kv_last_page_len`` is in ``[1, page_size]`` for rows with pages and exactly 0 for
-    rows without (see the module docstring).
+    ``contents=validate and not capturing()``): :func:`check_page_table_values`.
     """
     check_tensor("kv_indptr", kv_indptr, ndim=1)
     dev = kv_indptr.device
@@ -123,35 +150,85 @@ def validate_page_table(
     _check_positive_int("page_size", page_size)
     if num_pages is not None:
         _check_positive_int("num_pages", num_pages, minimum=0)
-    if not contents:
-        return
+    if contents:
+        indptr = kv_indptr.cpu()
+        used = kv_indices[int(indptr[0]):int(indptr[-1])] if _indptr_ok(indptr, kv_indices.shape[0]) else kv_indices
+        check_page_table_values(indptr, used.cpu(), kv_last_page_len.cpu(), page_size, num_pages,
+                                num_indices=kv_indices.shape[0], used_only=True)
 
-    indptr = kv_indptr.cpu()
-    _check_indptr_values("kv_indptr", indptr.tolist(), None)
-    total = int(indptr[-1])
-    if kv_indices.shape[0] != total:
-        raise ValueError(f"kv_indices: has {kv_indices.shape[0]} entries but kv_indptr[-1] is {total}")
-    indices = kv_indices.cpu()
-    upper = num_pages if num_pages is not None else None
-    bad = indices < 0 if upper is None else (indices < 0) | (indices >= upper)
+
+def check_pages_in_pool(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, num_pages: int) -> None:
+    """The PyTorch path's bound check, made whatever ``validate`` says (host tensors: it
+    costs nothing there): an unchecked table gives an ``IndexError`` naming the argument,
+    never a read or a write of another page. Negative ids would wrap around in PyTorch
+    indexing, so they are caught here rather than by the indexing itself."""
+    if kv_indptr.numel() == 0:
+        return
+    first, total = int(kv_indptr[0]), int(kv_indptr[-1])
+    if first < 0 or total > kv_indices.numel() or bool((kv_indptr[1:] < kv_indptr[:-1]).any()):
+        raise IndexError(f"kv_indptr: rows reach outside kv_indices ({kv_indices.numel()} entries)")
+    used = kv_indices[first:total]
+    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_pages):
+        raise IndexError(f"kv_indices: page ids must lie in [0, {num_pages}), got {int(used.min())}..{int(used.max())}")
+
+
+def _indptr_ok(indptr: torch.Tensor, num_indices: int) -> bool:
+    return bool(indptr.numel()) and 0 <= int(indptr[0]) <= int(indptr[-1]) <= num_indices
+
+
+def check_page_table_values(
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_last_page_len: torch.Tensor,
+    page_size: int,
+    num_pages: int | None,
+    *,
+    num_indices: int | None = None,
+    used_only: bool = False,
+    names: tuple[str, str, str] = ("kv_indptr", "kv_indices", "kv_last_page_len"),
+) -> None:
+    """The page-table rule on host integer tensors; raise ``ValueError`` naming ``names``.
+
+    ``kv_indptr`` is non-decreasing from ``kv_indptr[0] >= 0``; ``kv_indices`` has at least
+    ``kv_indptr[-1]`` entries (``num_indices``, when ``kv_indices`` is only the used slice
+    ``[kv_indptr[0], kv_indptr[-1])``, as ``used_only`` says); every used index lies in
+    ``[0, num_pages)`` (or is only non-negative when ``num_pages`` is None); a row with
+    pages has ``kv_last_page_len`` in ``[1, page_size]``, a row without pages has 0.
+    """
+    ip_name, ix_name, last_name = names
+    if kv_indptr.numel() == 0:
+        raise ValueError(f"{ip_name}: expected at least one entry (n + 1 for n rows)")
+    first, total = int(kv_indptr[0]), int(kv_indptr[-1])
+    if first < 0:
+        raise ValueError(f"{ip_name}: expected a first entry >= 0, got {first}")
+    down = kv_indptr[1:] < kv_indptr[:-1]
+    if bool(down.any()):
+        i = int(down.nonzero()[0, 0])
+        raise ValueError(f"{ip_name}: expected monotone non-decreasing entries, got {ip_name}[{i}] = "
+                         f"{int(kv_indptr[i])} > {ip_name}[{i + 1}] = {int(kv_indptr[i + 1])}")
+    have = kv_indices.shape[0] if num_indices is None else num_indices
+    if total > have:
+        raise ValueError(f"{ix_name}: has {have} entries but {ip_name}[-1] is {total}")
+    used = kv_indices if used_only else kv_indices[first:total]
+    bad = used < 0 if num_pages is None else (used < 0) | (used >= num_pages)
     if bool(bad.any()):
         pos = int(bad.nonzero()[0, 0])
-        where = "negative" if upper is None else f"outside the pool of {upper} pages"
-        raise ValueError(f"kv_indices: index {int(indices[pos])} at position {pos} is {where}")
-    rows_pages = indptr[1:] - indptr[:-1]
-    last = kv_last_page_len.cpu()
+        where = "negative" if num_pages is None else f"outside the pool of {num_pages} pages"
+        raise ValueError(f"{ix_name}: index {int(used[pos])} at position {first + pos} is {where}")
+    rows_pages = kv_indptr[1:] - kv_indptr[:-1]
+    last = kv_last_page_len
     bad_full = (rows_pages > 0) & ((last < 1) | (last > page_size))
     if bool(bad_full.any()):
         row = int(bad_full.nonzero()[0, 0])
         raise ValueError(
-            f"kv_last_page_len: row {row} has {int(rows_pages[row])} pages and last_page_len "
+            f"{last_name}: row {row} has {int(rows_pages[row])} pages and last_page_len "
             f"{int(last[row])}; expected 1..{page_size}"
         )
     bad_empty = (rows_pages == 0) & (last != 0)
     if bool(bad_empty.any()):
         row = int(bad_empty.nonzero()[0, 0])
         raise ValueError(
-            f"kv_last_page_len: row {row} has no pages and last_page_len {int(last[row])}; "
+            f"{last_name}: row {row} has no pages and last_page_len {int(last[row])}; "
             "an empty row must have last_page_len 0"
         )
 
@@ -195,6 +272,8 @@ class PageTable:
         empty row). The tensors are created on ``device`` (CPU by default).
         """
         _check_positive_int("page_size", page_size)
+        if page_size > _INT32_MAX:  # the table's lengths are int32
+            raise ValueError(f"page_size: expected at most {_INT32_MAX}, got {page_size}")
         if isinstance(seq_lens, torch.Tensor):
             check_tensor("seq_lens", seq_lens, ndim=1)
             seq_lens = seq_lens.cpu().tolist()
@@ -214,6 +293,9 @@ class PageTable:
                     f"page_lists: row {i} has {len(pages)} pages but seq_len {length} needs "
                     f"cdiv({length}, {page_size}) = {need}"
                 )
+            if pages and (min(pages) < 0 or max(pages) > _INT32_MAX):
+                bad = min(pages) if min(pages) < 0 else max(pages)
+                raise ValueError(f"page_lists: row {i} holds page id {bad}; page ids are int32 in [0, {_INT32_MAX}]")
             indices.extend(pages)
             indptr.append(len(indices))
             last.append(length - (need - 1) * page_size if need > 0 else 0)

@@ -113,6 +113,56 @@ def cache_tensors(paged_kv_cache: PagedKVCache) -> tuple[torch.Tensor, ...]:
     return tuple(paged_kv_cache)
 
 
+def check_layout_fits(
+    kv: PagedKV,
+    *,
+    num_qo_heads: int | None = None,
+    num_kv_heads: int | None = None,
+    page_size: int | None = None,
+    kv_last_page_len: torch.Tensor | None = None,
+) -> None:
+    """Raise a ``ValueError`` naming ``kv_layout`` when the cache fits the other layout.
+
+    A cache of one layout read as the other has its page_size and num_kv_heads swapped,
+    and the first check to notice would blame an unrelated argument (``q``'s head count,
+    ``kv_last_page_len``). The other arguments tell the two readings apart:
+    ``num_qo_heads`` is a multiple of the kv head count, a plan fixes ``num_kv_heads``
+    and ``page_size``, and ``kv_last_page_len`` never exceeds the page size (read on the
+    host: pass it only where a sync is allowed). When this reading breaks one of these
+    facts and the swapped one breaks none, the error says so. Otherwise nothing is
+    raised and the callers' own checks report what is wrong (an argument of the wrong
+    type here is left to them too).
+    """
+    if kv.page_size == kv.num_kv_heads:
+        return
+    longest = None
+    if (isinstance(kv_last_page_len, torch.Tensor) and kv_last_page_len.numel()
+            and kv_last_page_len.device.type != "meta"
+            and not kv_last_page_len.dtype.is_floating_point and kv_last_page_len.dtype != torch.bool):
+        longest = int(kv_last_page_len.max())
+
+    def broken(pages: int, heads: int) -> list[str]:
+        why = []
+        if num_qo_heads is not None and num_qo_heads % heads:
+            why.append(f"num_qo_heads {num_qo_heads} is not a multiple of num_kv_heads {heads}")
+        if num_kv_heads is not None and num_kv_heads != heads:
+            why.append(f"num_kv_heads {heads} is not the expected {num_kv_heads}")
+        if page_size is not None and page_size != pages:
+            why.append(f"page_size {pages} is not the expected {page_size}")
+        if longest is not None and longest > pages:
+            why.append(f"kv_last_page_len holds {longest} > page_size {pages}")
+        return why
+
+    why = broken(kv.page_size, kv.num_kv_heads)
+    if why and not broken(kv.num_kv_heads, kv.page_size):
+        other = "HND" if kv.kv_layout == "NHD" else "NHD"
+        raise ValueError(
+            f"paged_kv_cache: read as kv_layout={kv.kv_layout!r} it has page_size {kv.page_size} and "
+            f"num_kv_heads {kv.num_kv_heads}, but {'; '.join(why)}; read as {other!r} everything fits: "
+            f"is it an {other} cache? Then pass kv_layout={other!r}."
+        )
+
+
 def page_tokens(kv: PagedKV, which: str, pages: torch.Tensor) -> torch.Tensor:
     """K or V of ``pages`` as ``[len(pages) * page_size, num_kv_heads, head_dim]`` (a copy)."""
     t = (kv.k if which == "k" else kv.v)[pages.long()]
