@@ -25,7 +25,8 @@ page 16, two levels: one prefix group + each request's suffix):
 **Eager wall time** is ``triton.testing.do_bench`` (median, L2 flushed before every call,
 no CUDA graph) of the public ``run`` (the planner's choice) against FlashInfer's eager
 cascade, at bench_cascade's bar shapes and its short-prefix shapes, beside our
-CUDA-graph time (``bench_cascade``'s rotated-pool timing) at the bar shapes.
+CUDA-graph time at the bar shapes: ``bench_cascade``'s rotated-pool timing, and the same
+call captured in a graph and timed like the eager one (do_bench, L2 flushed).
 """
 
 from __future__ import annotations
@@ -121,6 +122,7 @@ def host_rows(shape: Shape, fi, calls: int, device: torch.device) -> list[dict]:
     append_indptr = torch.arange(s.batch + 1, dtype=torch.int32, device=device)
     rows_b, pos = get_batch_indices_positions(append_indptr, seq_lens, s.batch)
     new_k = torch.randn(s.batch, s.hkv, s.head_dim, device=device, dtype=DTYPE)
+    new_v = torch.randn_like(new_k)
     calls_by_name: dict[str, Callable[[], object]] = {
         "ours run, cascade": casc.call(0),
         "ours run, flat": flat.call(0),
@@ -133,7 +135,7 @@ def host_rows(shape: Shape, fi, calls: int, device: torch.device) -> list[dict]:
                                                 validate=False),
         "ours merge_states (4 states)": lambda: merge_states(states, state_lse, validate=False),
         "ours append_paged_kv_cache": lambda: append_paged_kv_cache(
-            new_k, new_k, rows_b, pos, pool, wl.flat_indices, wl.flat_indptr, wl.flat_last, validate=False),
+            new_k, new_v, rows_b, pos, pool, wl.flat_indices, wl.flat_indptr, wl.flat_last, validate=False),
     }
     if fi is not None:
         calls_by_name["FlashInfer cascade run (fa2 x2 + merge)"] = fi_cascade(fi, wl).call(0)
@@ -189,6 +191,13 @@ def wall_rows(shapes, fi, device: torch.device, graph: bool, rep_ms: int) -> lis
         if graph:
             row["ours_graph_us"] = make_timer(device, rep_ms)([m.call(i) for i in range(wl.rot)]) * 1e6
             row["eager_over_graph"] = row["ours_eager_us"] / row["ours_graph_us"]
+            # The same call replayed from a CUDA graph, timed like the eager call (do_bench,
+            # L2 flushed): what eager execution itself costs, apart from the timing method.
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                m.call(0)()
+            row["ours_graph_flushed_us"] = eager(g.replay)
+            row["eager_over_graph_flushed"] = row["ours_eager_us"] / row["ours_graph_flushed_us"]
         rows.append(row)
         del wl
         torch.cuda.empty_cache()
@@ -221,7 +230,8 @@ def main() -> None:
             SHORT_PREFIX_SHAPES, fi, device, False, args.rep_ms)
         print("\n## Eager wall time (µs, do_bench median, L2 flushed)\n")
         print(markdown_table(wall, ["batch", "prefix", "suffix", "pick", "ours_eager_us", "fi_eager_us",
-                                    "ours_graph_us", "eager_over_graph"]))
+                                    "ours_graph_us", "eager_over_graph", "ours_graph_flushed_us",
+                                    "eager_over_graph_flushed"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(env=env, host=host, wall=wall), f, indent=1)

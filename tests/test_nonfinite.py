@@ -156,13 +156,13 @@ def decode_case(bad, dtype, device, seed=0):
 def decode_reference(q, cache, table):
     """The definition (attention_state_ref on each request's gathered keys), checked
     against the vectorised reference."""
-    kv = unpack_paged_kv_cache(cache, "NHD")
+    kv = unpack_paged_kv_cache(cache.cpu(), "NHD")  # the references run on the host
+    q = q.cpu()
     indptr, indices, last = (t.cpu() for t in (table.kv_indptr, table.kv_indices, table.kv_last_page_len))
-    rows = [attention_state_ref(q[b:b + 1].cpu(), *gather_paged_kv(kv, indptr, indices, last, b))
+    rows = [attention_state_ref(q[b:b + 1], *gather_paged_kv(kv, indptr, indices, last, b))
             for b in range(q.shape[0])]
     ref = torch.cat([o for o, _ in rows]), torch.cat([s for _, s in rows])
-    check_references_agree(batch_decode_paged_ref(q, kv, table.kv_indptr, table.kv_indices, table.kv_last_page_len),
-                           ref)
+    check_references_agree(batch_decode_paged_ref(q, kv, indptr, indices, last), ref)
     return ref
 
 

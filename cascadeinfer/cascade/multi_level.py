@@ -417,6 +417,8 @@ class _Launches:
         self.valid = all(r.valid for r in (upper, last, merge) if r is not None)
         if side is not None:
             self._fork, self._join = torch.cuda.Event(), torch.cuda.Event()
+            self._side_raw = side.cuda_stream
+            self._main, self._main_raw = None, None
 
     def replay(self, roots) -> None:
         if self.last is None:
@@ -429,11 +431,20 @@ class _Launches:
             return
         # The side stream starts after what the caller enqueued before (q, the cache),
         # and the merge after both streams' levels, as in the recorded run.
-        main = torch.cuda.current_stream(roots[0].device)
+        main = self._current_stream(roots[0])
         self._fork.record(main)
         self.side.wait_event(self._fork)
-        self.upper.replay(roots, main.cuda_stream)
-        self.last.replay(roots, self.side.cuda_stream)
+        self.upper.replay(roots, self._main_raw)
+        self.last.replay(roots, self._side_raw)
         self._join.record(self.side)
         main.wait_event(self._join)
-        self.merge.replay(roots, main.cuda_stream)
+        self.merge.replay(roots, self._main_raw)
+
+    def _current_stream(self, t: torch.Tensor) -> torch.cuda.Stream:
+        """The caller's current stream, as an object (torch.cuda.current_stream costs
+        several µs; the raw handle a fraction of one, so the object is kept while the
+        handle stays the same)."""
+        raw = torch._C._cuda_getCurrentRawStream(t.get_device())
+        if raw != self._main_raw:
+            self._main, self._main_raw = torch.cuda.current_stream(t.device), raw
+        return self._main

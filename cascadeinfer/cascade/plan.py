@@ -10,7 +10,7 @@ of every level above it (a tree: system prompt → few-shot block → request su
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -26,6 +26,7 @@ class HostLevel:
     kv_indptr: torch.Tensor  # [groups + 1]
     kv_indices: torch.Tensor  # [kv_indptr[-1]]
     kv_last_page_len: torch.Tensor  # [groups]
+    parent: torch.Tensor | None = None  # [groups]: the group of the level above holding each group
 
     @property
     def num_groups(self) -> int:
@@ -99,7 +100,7 @@ def host_levels(
         first = int(kp[0])
         levels.append(HostLevel(qo, kp - first, ki[first:int(kp[-1])], kl))
     for lv in range(1, num_levels):
-        parent_of(levels[lv - 1], levels[lv], lv)
+        levels[lv] = replace(levels[lv], parent=parent_of(levels[lv - 1], levels[lv], lv))
     return levels
 
 
@@ -122,7 +123,8 @@ def ancestors(levels: list[HostLevel]) -> list[torch.Tensor]:
     """``ancestors(levels)[l][g]``: the group of level ``l`` above last-level group ``g``."""
     chain = [torch.arange(levels[-1].num_groups)]
     for lv in range(len(levels) - 1, 0, -1):
-        chain.append(parent_of(levels[lv - 1], levels[lv], lv)[chain[-1]])
+        parent = levels[lv].parent if levels[lv].parent is not None else parent_of(levels[lv - 1], levels[lv], lv)
+        chain.append(parent[chain[-1]])
     return chain[::-1]
 
 

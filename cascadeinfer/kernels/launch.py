@@ -282,7 +282,13 @@ def call_key(*args) -> Hashable:
     """The signature of a launcher call: per tensor its dtype, shape, strides, address
     modulo 16 and device; per tuple of tensors the same for each; other values as they
     are (they must be hashable for the key to be used)."""
-    return tuple(map(_spec, args))
+    key = []
+    for x in args:  # _spec, inlined for tensors: this runs on every call
+        if isinstance(x, torch.Tensor):
+            key.append((x.dtype, x.shape, x.stride(), x.data_ptr() & 15, x.get_device()))
+        else:
+            key.append(_spec(x))
+    return tuple(key)
 
 
 class LaunchCache:
