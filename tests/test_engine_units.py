@@ -234,3 +234,28 @@ def test_scheduler_unsticks_prefills_that_hold_every_page():
     assert batch.preempted == [young] and sched.num_preemptions == 1
     # the old one finishes its prompt; the young one restarts from token 0 in the page left
     assert batch.prefill == [(old, 4), (young, 2)] and len(old.pages) == 5 and len(young.pages) == 1
+
+
+def _run_prefill(sched):
+    """Schedule one step and pretend it ran: the K/V of its tokens are in the pages."""
+    batch = sched.schedule()
+    sched.advance(batch)
+    return batch
+
+
+def test_scheduler_registers_pages_computed_after_a_cache_hit():
+    from cascadeinfer.engine.scheduler import Scheduler  # noqa: PLC0415
+
+    cache = PrefixCache(_pool(32))
+    sched = Scheduler(cache, max_num_seqs=4, max_num_batched_tokens=64)
+    first = _seq(0, [1, 2, 3, 4, 5, 6, 7])  # pages [1,2] [3,4] [5,6] are cached after its prefill
+    sched.add(first)
+    _run_prefill(sched)
+    assert cache.num_cached == 3
+    second = _seq(1, [1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12])  # hits 3 pages, computes [8,9] [10,11] and 12
+    sched.add(second)
+    batch = _run_prefill(sched)
+    assert (second, 5) in batch.prefill and second.num_registered == 5
+    assert cache.num_cached == 5 and not cache._pending  # its new full pages are offered
+    third = _seq(2, [1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 13])
+    assert cache.match(third) == (second.pages[:5], False)

@@ -150,7 +150,8 @@ class Scheduler:
                 break
             self.cache.fork(hits)
             seq.pages = hits
-            seq.num_computed = seq.num_registered = len(hits) * self.page_size
+            seq.num_computed = len(hits) * self.page_size
+            seq.num_registered = len(hits)  # pages (the hits are cached already), not tokens
             n = self._fit(seq, min(seq.num_remaining, budget))
             if n == 0:
                 self.cache.release(hits)
