@@ -132,6 +132,54 @@ def test_prefix_cache_across_calls_and_chunked_prefill(llama, device, torch_path
     _assert_no_leak(llm)
 
 
+def _ideal_prefill(prompts, page_size):
+    """Prompt tokens to compute when every full page is computed once: each prompt's
+    tokens past the full pages an earlier prompt has (its last token always computed)."""
+    seen, total = set(), 0
+    for p in prompts:
+        hits = 0
+        while hits < (len(p) - 1) // page_size and tuple(p[:(hits + 1) * page_size]) in seen:
+            hits += 1
+        total += len(p) - hits * page_size
+        seen.update(tuple(p[:(k + 1) * page_size]) for k in range(len(p) // page_size))
+    return total
+
+
+LONG = [(11 * i + 5) % VOCAB for i in range(37)]  # 9 full pages of 4 and one token
+OTHER = [(13 * i + 1) % VOCAB for i in range(26)]  # 6 full pages and two tokens
+WORKLOADS = {
+    "one prompt": [LONG + [60 + i] for i in range(6)],
+    "identical": [LONG[:36]] * 4,  # a page-aligned prompt: its last page is computed by all
+    "two groups": [(OTHER if i < 3 else LONG) + [60 + i, 90 + i] for i in range(6)],
+    "part of a page": [LONG[:10] + [60 + i, 61, 62, 63] for i in range(4)],  # 2 full pages and 2 tokens shared
+}
+
+
+@pytest.mark.parametrize("budget", [8192, 12], ids=["one-step", "chunked"])
+@pytest.mark.parametrize("workload", list(WORKLOADS))
+def test_shared_prompt_is_prefilled_once(workload, budget, llama, device, torch_path):
+    path, model = llama
+    prompts = WORKLOADS[workload]
+    params = SamplingParams(max_tokens=4, **GREEDY)
+    llm = _llm(path, device, max_num_batched_tokens=budget, record_steps=True)
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    stats = llm.stats
+    assert stats.preemptions == 0 and stats.requests == len(prompts)
+    assert stats.prompt_tokens == sum(map(len, prompts))
+    assert stats.prefill_tokens == _ideal_prefill(prompts, 4) < stats.prompt_tokens
+    assert stats.prefill_tokens + stats.cached_prompt_tokens == stats.prompt_tokens
+    assert stats.output_tokens == 4 * len(prompts) and stats.steps == len(llm.step_stats)
+    assert stats.computed_tokens == stats.prefill_tokens + 3 * len(prompts)  # the last sampled token is not fed back
+    _assert_no_leak(llm)
+    alone = []
+    for prompt in prompts:  # one by one, nothing cached: the same tokens
+        llm.reset_prefix_cache()
+        alone.append(llm.generate([prompt], params)[0].outputs[0].token_ids)
+    assert together == alone
+    assert together[0] == hf_greedy(model, prompts[0], 4, device)
+    assert (llm.stats - stats).prefill_tokens == sum(map(len, prompts))
+
+
 def test_preemption_gives_the_same_outputs(qwen2, device, torch_path):
     path, model = qwen2
     prompts = SHARED + UNSHARED
@@ -139,6 +187,9 @@ def test_preemption_gives_the_same_outputs(qwen2, device, torch_path):
     llm = _llm(path, device, num_pages=12, use_cascade=True)
     outs = _check(llm, model, prompts, 12, device)
     assert llm.num_preemptions > 0
+    stats = llm.stats  # a preempted prompt is computed (or found in the cache) again
+    assert stats.prefill_tokens + stats.cached_prompt_tokens > stats.prompt_tokens
+    assert stats.computed_tokens > stats.prefill_tokens + 11 * len(prompts)
     _assert_no_leak(llm)
     sampled = SamplingParams(temperature=0.9, top_k=50, top_p=0.9, max_tokens=12, seed=3, ignore_eos=True)
     small = [o.outputs[0].token_ids for o in llm.generate(prompts, sampled)]

@@ -236,10 +236,15 @@ def test_scheduler_unsticks_prefills_that_hold_every_page():
     assert batch.prefill == [(old, 4), (young, 2)] and len(old.pages) == 5 and len(young.pages) == 1
 
 
-def _run_prefill(sched):
-    """Schedule one step and pretend it ran: the K/V of its tokens are in the pages."""
+def _run_prefill(sched, sample=False):
+    """Schedule one step and pretend it ran: the K/V of its tokens are in the pages (and,
+    with ``sample``, the sequences at their last token sampled token 0)."""
     batch = sched.schedule()
     sched.advance(batch)
+    if sample:
+        for seq in sched.running:
+            if seq.num_computed == seq.num_tokens:
+                seq.tokens.append(0)
     return batch
 
 
@@ -259,3 +264,4 @@ def test_scheduler_registers_pages_computed_after_a_cache_hit():
     assert cache.num_cached == 5 and not cache._pending  # its new full pages are offered
     third = _seq(2, [1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 13])
     assert cache.match(third) == (second.pages[:5], False)
+
