@@ -265,3 +265,34 @@ def test_scheduler_registers_pages_computed_after_a_cache_hit():
     third = _seq(2, [1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 13])
     assert cache.match(third) == (second.pages[:5], False)
 
+
+def test_scheduler_admits_past_requests_waiting_for_a_prefix():
+    from cascadeinfer.engine.scheduler import Scheduler  # noqa: PLC0415
+
+    cache = PrefixCache(_pool(32))
+    sched = Scheduler(cache, max_num_seqs=8, max_num_batched_tokens=64)
+    a0, a1 = _seq(0, [1, 2, 3, 4, 5, 6, 7]), _seq(1, [1, 2, 3, 4, 5, 6, 8])
+    b0, b1 = _seq(2, [9, 9, 9, 9, 10]), _seq(3, [9, 9, 9, 9, 11])
+    for seq in (a0, a1, b0, b1):
+        sched.add(seq)
+    first = _run_prefill(sched, sample=True)  # a1 and b1 wait for the pages a0 and b0 compute
+    assert first.prefill == [(a0, 7), (b0, 5)] and sched.waiting == [a1, b1]
+    second = _run_prefill(sched, sample=True)  # then they hit them: one token each is left
+    assert second.prefill == [] and second.decode == [a0, b0, a1, b1] and not sched.waiting
+    assert sched.num_cached_prompt_tokens == 6 + 4 and sched.num_computed_prompt_tokens == 7 + 5 + 1 + 1
+    assert sched.num_computed_tokens == 7 + 5 + 1 + 1 + 2  # and the first tokens a0 and b0 sampled
+
+
+def test_prefix_cache_waiting_sequence_is_answered_without_a_walk():
+    cache = PrefixCache(_pool(16))
+    a = _seq(0, [1, 2, 3, 4, 5])
+    a.pages = cache.allocate(3)
+    cache.claim_pending(a)
+    b = _seq(1, [1, 2, 3, 4, 7])
+    assert cache.match(b) == ([], True)
+    b.tokens[0] = 99  # were the chain walked again, b would not wait
+    assert cache.match(b) == ([], True)
+    a.num_computed = 5
+    cache.register(a)  # a's pages are in: b walks its chain again
+    b.tokens[0] = 1
+    assert cache.match(b) == (a.pages[:2], False)

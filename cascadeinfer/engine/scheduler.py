@@ -11,8 +11,10 @@ and a sequence cap (``max_num_seqs``):
    next chunk, as far as budget and pages allow (no preemption for these).
 3. **Admission** (unless this step preempted): waiting sequences, oldest first, reuse
    cached prefix pages and get their first chunk. Admission stops at the first one that
-   does not fit, or whose prefix another sequence is computing this very moment (it will
-   hit the cache next step).
+   does not fit. One whose next full page another sequence is computing right now (in
+   this step or in an earlier chunk) is passed over: it stays first in line and hits the
+   cache once those pages are in, so a prompt shared by many requests that arrive
+   together is prefilled once. Requests behind it that share nothing with it go ahead.
 
 A step therefore mixes prefill chunks and decode tokens. A preempted sequence keeps its
 tokens; when it is admitted again its prefill recomputes prompt and generated tokens,
@@ -159,7 +161,7 @@ class Scheduler:
                 break
             hits, blocked = self.cache.match(seq)
             if blocked:
-                break
+                continue  # its prefix is being computed: it waits for those pages, the others need not
             self.cache.fork(hits)
             seq.pages = hits
             seq.num_computed = len(hits) * self.page_size
