@@ -444,21 +444,59 @@ def test_cli_generate_streams_and_batches(llama, tmp_path, device, torch_path, c
         main(["generate", "--prompt", "[1]", "--model", str(tmp_path / "missing")])
 
 
-def test_cli_bench_runs_and_prints_a_table(device, torch_path, capsys, tmp_path):
+_BENCH = ["bench", "--preset", "tiny", "--requests", "5", "--prefix", "21", "--suffix", "3", "--new-tokens", "4",
+          "--page-size", "4"]
+_ENGINE_FIELDS = ["output_tokens", "wall_s", "tokens_per_s", "floor_tokens_per_s", "fraction_of_floor", "prefill_s",
+                  "prefill_floor_s", "decode_step_ms", "decode_step_floor_ms", "prompt_tokens", "prefill_tokens",
+                  "kv_read_gb", "achieved_gb_s", "decode_steps", "graphs_captured_while_timed"]
+
+
+@pytest.mark.parametrize("order", ["cascade,flat,hf", "hf,flat,cascade"])
+def test_cli_bench_in_either_order(order, device, torch_path, capsys, tmp_path):
     from cascadeinfer.engine.cli import main  # noqa: PLC0415
 
-    out_json = tmp_path / "bench.json"
-    assert main(["bench", "--preset", "tiny", "--requests", "5", "--prefix", "21", "--suffix", "3",
-                 "--new-tokens", "4", "--hf-requests", "2", "--page-size", "4", "--device", device.type,
-                 "--json", str(out_json)]) == 0
+    out_json = tmp_path / "runs" / "bench.json"
+    out_json.parent.mkdir()
+    check = [] if order.startswith("cascade") else ["--skip-check"]  # the check runs once
+    assert main(_BENCH + ["--device", device.type, "--modes", order, "--json", str(out_json)] + check) == 0
     out = capsys.readouterr().out
-    assert "# check: ok" in out and "| cascadeinfer cascade | 5 | 20 |" in out and "| cascadeinfer flat | 5 | 20 |" in out
-    assert "transformers generate" in out and "cascade / flat" in out
+    assert ("# check: ok" if not check else "# check: skipped") in out
+    assert "| cascadeinfer cascade | 20 |" in out and "| cascadeinfer flat | 20 |" in out
+    assert "| transformers generate_batch |" in out and "cascade / flat tokens/s" in out
     result = json.loads(out_json.read_text())
-    rows = {r["engine"]: r for r in result["rows"]}
-    assert rows["cascadeinfer cascade"]["cascade_steps"] == rows["cascadeinfer cascade"]["decode_steps"] > 0
-    assert rows["cascadeinfer flat"]["cascade_steps"] == 0
-    assert rows["cascadeinfer cascade"]["kv_gb"] < rows["cascadeinfer flat"]["kv_gb"]
+    assert [r["mode"] for r in result["rows"]] == order.split(",")
+    assert result["ceilings"]["copy_bandwidth_gb_s"] > 0 and result["ceilings"]["matmul_tflops"] > 0
+    assert all(result["floors"][k] > 0 for k in ("prefill_s", "decode_step_first_ms", "end_to_end_s"))
+    rows = {r["mode"]: r for r in result["rows"]}
+    for mode in ("cascade", "flat"):
+        row = rows[mode]
+        assert all(row[k] is not None for k in _ENGINE_FIELDS), row
+        assert row["output_tokens"] == 20 and row["graphs_captured_while_timed"] == 0
+        assert 0 < row["prefill_floor_s"] and 0 < row["decode_step_floor_ms"] and 0 < row["fraction_of_floor"] < 1
+        assert row["prompt_tokens"] == 5 * 24 and row["prefill_tokens"] == 24 + 4 * 4  # the 5 shared pages once
+        assert row["decode_steps"] == 2 and row["preemptions"] == 0  # request 0 is a step ahead
+    assert rows["cascade"]["cascade_steps"] == rows["cascade"]["decode_steps"] and rows["flat"]["cascade_steps"] == 0
+    assert rows["cascade"]["kv_read_gb"] < rows["flat"]["kv_read_gb"]
+    hf = rows["hf"]  # transformers' continuous batching, or a line saying why it did not run
+    assert hf.get("output_tokens") == 20 and hf["fraction_of_floor"] > 0 or "generate_batch" in hf["error"]
+    assert set(result["ratios"]) >= {"cascade / flat tokens/s", "flat / cascade decode step"}
+
+
+def test_cli_bench_refuses_what_cannot_run(monkeypatch, tmp_path):
+    from cascadeinfer.engine import bench  # noqa: PLC0415
+    from cascadeinfer.engine.cli import main  # noqa: PLC0415
+
+    monkeypatch.setattr(bench, "memory_available", lambda device: 8 * 10**9)
+    with pytest.raises(SystemExit, match="--preset llama3-8b: .* need 29.5 GB in bfloat16, but cpu has 8.0 GB.*--force"):
+        main(["bench", "--preset", "llama3-8b", "--device", "cpu", "--dtype", "bfloat16"])
+    with pytest.raises(SystemExit, match="--modes"):
+        main(_BENCH + ["--device", "cpu", "--modes", "cascade,warp"])
+    with pytest.raises(SystemExit, match="--modes"):
+        main(_BENCH + ["--device", "cpu", "--modes", "flat,flat"])
+    with pytest.raises(SystemExit, match="--json: the directory"):
+        main(_BENCH + ["--device", "cpu", "--json", str(tmp_path / "missing" / "b.json")])
+    with pytest.raises(SystemExit, match="--new-tokens"):
+        main(_BENCH + ["--device", "cpu", "--new-tokens", "0"])
 
 
 @pytest.mark.gpu
