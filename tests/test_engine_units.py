@@ -296,3 +296,31 @@ def test_prefix_cache_waiting_sequence_is_answered_without_a_walk():
     cache.register(a)  # a's pages are in: b walks its chain again
     b.tokens[0] = 1
     assert cache.match(b) == (a.pages[:2], False)
+
+
+# ---- bench floors --------------------------------------------------------------------------
+
+
+def test_bench_floors_by_hand():
+    from cascadeinfer.engine.bench import Ceilings, ModelCosts, Workload, memory_needed  # noqa: PLC0415
+    from cascadeinfer.engine.model_loader import preset  # noqa: PLC0415
+
+    costs = ModelCosts(weight_bytes=1000, body_params=10, head_params=5, kv_bytes_per_token=2, flops_per_pair=3)
+    w = Workload(requests=2, prefix=4, suffix=2, new_tokens=3)
+    # prefill: 4 + 2 * 2 tokens in 2 steps of 4; pairs 4*5/2 + 2 * (2*4 + 2*3/2); 2 rows of logits
+    bandwidth_bound, compute_bound = Ceilings(100.0, 1000.0), Ceilings(1e6, 10.0)
+    assert w.prefill_floor(costs, bandwidth_bound, 4) == pytest.approx((2 * 1000 + 8 * 2) / 100)
+    assert w.prefill_floor(costs, compute_bound, 4) == pytest.approx((2 * 10 * 8 + 2 * 5 * 2 + 3 * 32) / 10)
+    # decode: 2 steps (the first token comes from the prefill), 7 then 8 keys per request, the prefix read once
+    assert w.decode_floors(costs, bandwidth_bound, 2) == pytest.approx([(1000 + (10 + 2) * 2) / 100,
+                                                                        (1000 + (12 + 2) * 2) / 100])
+    assert w.decode_floors(costs, compute_bound, 2)[0] == pytest.approx((2 * 10 * 2 + 2 * 5 * 2 + 3 * 14) / 10)
+    assert len(w.decode_floors(costs, compute_bound, 1)) == 4  # two waves of one request
+    llama = ModelCosts.of(preset("llama3-8b"), 15 * 10**9, 2)
+    assert llama.body_params + llama.head_params == pytest.approx(7.5e9, rel=0.01)
+    assert llama.kv_bytes_per_token == 128 * 1024 and llama.flops_per_pair == 4 * 32 * 32 * 128
+    assert memory_needed(preset("tiny"), w, 4) > 0
+    with pytest.raises(ValueError, match="copy_bytes_per_s"):
+        Ceilings(0.0, 1.0)
+    with pytest.raises(ValueError, match="new_tokens"):
+        Workload(requests=2, prefix=4, suffix=2, new_tokens=0)

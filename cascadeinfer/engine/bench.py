@@ -466,6 +466,8 @@ def hf_run(mc: ModelConfig, dtype: torch.dtype, device: torch.device, setting: S
         wall = time.perf_counter() - t0
     except torch.OutOfMemoryError as exc:
         return {**row, "error": f"out of memory ({str(exc).splitlines()[0][:80]})"}
+    except Exception as exc:  # noqa: BLE001 - a failing peer must not lose the engine's rows
+        return {**row, "error": f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:120]}"}
     finally:
         log.setLevel(level)
         if model is not None and hasattr(model, "destroy_cached_continuous_batching_manager"):
