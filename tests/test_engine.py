@@ -132,6 +132,56 @@ def test_prefix_cache_across_calls_and_chunked_prefill(llama, device, torch_path
     _assert_no_leak(llm)
 
 
+def _ideal_prefill(prompts, page_size):
+    """Prompt tokens to compute when every full page is computed once: each prompt's
+    tokens past the full pages an earlier prompt has (its last token always computed)."""
+    seen, total = set(), 0
+    for p in prompts:
+        hits = 0
+        while hits < (len(p) - 1) // page_size and tuple(p[:(hits + 1) * page_size]) in seen:
+            hits += 1
+        total += len(p) - hits * page_size
+        seen.update(tuple(p[:(k + 1) * page_size]) for k in range(len(p) // page_size))
+    return total
+
+
+LONG = [(11 * i + 5) % VOCAB for i in range(37)]  # 9 full pages of 4 and one token
+OTHER = [(13 * i + 1) % VOCAB for i in range(26)]  # 6 full pages and two tokens
+WORKLOADS = {
+    "one prompt": [LONG + [60 + i] for i in range(6)],
+    "identical": [LONG[:36]] * 4,  # a page-aligned prompt: its last page is computed by all
+    "two groups": [(OTHER if i < 3 else LONG) + [60 + i, 90 + i] for i in range(6)],
+    "part of a page": [LONG[:10] + [60 + i, 61, 62, 63] for i in range(4)],  # 2 full pages and 2 tokens shared
+}
+
+
+@pytest.mark.parametrize("budget", [8192, 12], ids=["one-step", "chunked"])
+@pytest.mark.parametrize("workload", list(WORKLOADS))
+def test_shared_prompt_is_prefilled_once(workload, budget, llama, device, torch_path):
+    path, model = llama
+    prompts = WORKLOADS[workload]
+    params = SamplingParams(max_tokens=4, **GREEDY)
+    llm = _llm(path, device, max_num_batched_tokens=budget, record_steps=True)
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    stats = llm.stats
+    assert stats.preemptions == 0 and stats.requests == len(prompts)
+    assert stats.prompt_tokens == sum(map(len, prompts))
+    assert stats.prefill_tokens == _ideal_prefill(prompts, 4) < stats.prompt_tokens
+    assert stats.prefill_tokens + stats.cached_prompt_tokens == stats.prompt_tokens
+    assert stats.output_tokens == 4 * len(prompts) and stats.steps == len(llm.step_stats)
+    assert stats.computed_tokens == stats.prefill_tokens + 3 * len(prompts)  # the last sampled token is not fed back
+    if workload == "two groups" and budget == 8192:  # the second group does not wait behind the first
+        assert llm.step_stats[0].num_prefill_tokens == len(prompts[0]) + len(prompts[3])
+    _assert_no_leak(llm)
+    alone = []
+    for prompt in prompts:  # one by one, nothing cached: the same tokens
+        llm.reset_prefix_cache()
+        alone.append(llm.generate([prompt], params)[0].outputs[0].token_ids)
+    assert together == alone
+    assert together[0] == hf_greedy(model, prompts[0], 4, device)
+    assert (llm.stats - stats).prefill_tokens == sum(map(len, prompts))
+
+
 def test_preemption_gives_the_same_outputs(qwen2, device, torch_path):
     path, model = qwen2
     prompts = SHARED + UNSHARED
@@ -139,6 +189,9 @@ def test_preemption_gives_the_same_outputs(qwen2, device, torch_path):
     llm = _llm(path, device, num_pages=12, use_cascade=True)
     outs = _check(llm, model, prompts, 12, device)
     assert llm.num_preemptions > 0
+    stats = llm.stats  # a preempted prompt is computed (or found in the cache) again
+    assert stats.prefill_tokens + stats.cached_prompt_tokens > stats.prompt_tokens
+    assert stats.computed_tokens > stats.prefill_tokens + 11 * len(prompts)
     _assert_no_leak(llm)
     sampled = SamplingParams(temperature=0.9, top_k=50, top_p=0.9, max_tokens=12, seed=3, ignore_eos=True)
     small = [o.outputs[0].token_ids for o in llm.generate(prompts, sampled)]
@@ -399,21 +452,59 @@ def test_cli_generate_streams_and_batches(llama, tmp_path, device, torch_path, c
         main(["generate", "--prompt", "[1]", "--model", str(tmp_path / "missing")])
 
 
-def test_cli_bench_runs_and_prints_a_table(device, torch_path, capsys, tmp_path):
+_BENCH = ["bench", "--preset", "tiny", "--requests", "5", "--prefix", "21", "--suffix", "3", "--new-tokens", "4",
+          "--page-size", "4"]
+_ENGINE_FIELDS = ["output_tokens", "wall_s", "tokens_per_s", "floor_tokens_per_s", "fraction_of_floor", "prefill_s",
+                  "prefill_floor_s", "decode_step_ms", "decode_step_floor_ms", "prompt_tokens", "prefill_tokens",
+                  "kv_read_gb", "achieved_gb_s", "decode_steps", "graphs_captured_while_timed"]
+
+
+@pytest.mark.parametrize("order", ["cascade,flat,hf", "hf,flat,cascade"])
+def test_cli_bench_in_either_order(order, device, torch_path, capsys, tmp_path):
     from cascadeinfer.engine.cli import main  # noqa: PLC0415
 
-    out_json = tmp_path / "bench.json"
-    assert main(["bench", "--preset", "tiny", "--requests", "5", "--prefix", "21", "--suffix", "3",
-                 "--new-tokens", "4", "--hf-requests", "2", "--page-size", "4", "--device", device.type,
-                 "--json", str(out_json)]) == 0
+    out_json = tmp_path / "runs" / "bench.json"
+    out_json.parent.mkdir()
+    check = [] if order.startswith("cascade") else ["--skip-check"]  # the check runs once
+    assert main(_BENCH + ["--device", device.type, "--modes", order, "--json", str(out_json)] + check) == 0
     out = capsys.readouterr().out
-    assert "# check: ok" in out and "| cascadeinfer cascade | 5 | 20 |" in out and "| cascadeinfer flat | 5 | 20 |" in out
-    assert "transformers generate" in out and "cascade / flat" in out
+    assert ("# check: ok" if not check else "# check: skipped") in out
+    assert "| cascadeinfer cascade | 20 |" in out and "| cascadeinfer flat | 20 |" in out
+    assert "| transformers generate_batch |" in out and "cascade / flat tokens/s" in out
     result = json.loads(out_json.read_text())
-    rows = {r["engine"]: r for r in result["rows"]}
-    assert rows["cascadeinfer cascade"]["cascade_steps"] == rows["cascadeinfer cascade"]["decode_steps"] > 0
-    assert rows["cascadeinfer flat"]["cascade_steps"] == 0
-    assert rows["cascadeinfer cascade"]["kv_gb"] < rows["cascadeinfer flat"]["kv_gb"]
+    assert [r["mode"] for r in result["rows"]] == order.split(",")
+    assert result["ceilings"]["copy_bandwidth_gb_s"] > 0 and result["ceilings"]["matmul_tflops"] > 0
+    assert all(result["floors"][k] > 0 for k in ("prefill_s", "decode_step_first_ms", "end_to_end_s"))
+    rows = {r["mode"]: r for r in result["rows"]}
+    for mode in ("cascade", "flat"):
+        row = rows[mode]
+        assert all(row[k] is not None for k in _ENGINE_FIELDS), row
+        assert row["output_tokens"] == 20 and row["graphs_captured_while_timed"] == 0
+        assert 0 < row["prefill_floor_s"] and 0 < row["decode_step_floor_ms"] and 0 < row["fraction_of_floor"] < 1
+        assert row["prompt_tokens"] == 5 * 24 and row["prefill_tokens"] == 24 + 4 * 4  # the 5 shared pages once
+        assert row["decode_steps"] == 2 and row["preemptions"] == 0  # request 0 is a step ahead
+    assert rows["cascade"]["cascade_steps"] == rows["cascade"]["decode_steps"] and rows["flat"]["cascade_steps"] == 0
+    assert rows["cascade"]["kv_read_gb"] < rows["flat"]["kv_read_gb"]
+    hf = rows["hf"]  # transformers' continuous batching, or a line saying why it did not run
+    assert hf.get("output_tokens") == 20 and hf["fraction_of_floor"] > 0 or "generate_batch" in hf["error"]
+    assert set(result["ratios"]) >= {"cascade / flat tokens/s", "flat / cascade decode step"}
+
+
+def test_cli_bench_refuses_what_cannot_run(monkeypatch, tmp_path):
+    from cascadeinfer.engine import bench  # noqa: PLC0415
+    from cascadeinfer.engine.cli import main  # noqa: PLC0415
+
+    monkeypatch.setattr(bench, "memory_available", lambda device: 8 * 10**9)
+    with pytest.raises(SystemExit, match="--preset llama3-8b: .* need 29.5 GB in bfloat16, but cpu has 8.0 GB.*--force"):
+        main(["bench", "--preset", "llama3-8b", "--device", "cpu", "--dtype", "bfloat16"])
+    with pytest.raises(SystemExit, match="--modes"):
+        main(_BENCH + ["--device", "cpu", "--modes", "cascade,warp"])
+    with pytest.raises(SystemExit, match="--modes"):
+        main(_BENCH + ["--device", "cpu", "--modes", "flat,flat"])
+    with pytest.raises(SystemExit, match="--json: the directory"):
+        main(_BENCH + ["--device", "cpu", "--json", str(tmp_path / "missing" / "b.json")])
+    with pytest.raises(SystemExit, match="--new-tokens"):
+        main(_BENCH + ["--device", "cpu", "--new-tokens", "0"])
 
 
 @pytest.mark.gpu

@@ -289,3 +289,93 @@ def test_config_errors_name_the_files_key(key, value):
     assert "num_qo_heads" not in str(exc.value) and "num_kv_heads" not in str(exc.value)
     parsed = ModelConfig.from_dict({**cfg, "num_key_value_heads": None, "head_dim": None})  # null: the default
     assert (parsed.num_kv_heads, parsed.head_dim) == (4, 8)
+
+
+def _run_prefill(sched, sample=False):
+    """Schedule one step and pretend it ran: the K/V of its tokens are in the pages (and,
+    with ``sample``, the sequences at their last token sampled token 0)."""
+    batch = sched.schedule()
+    sched.advance(batch)
+    if sample:
+        for seq in sched.running:
+            if seq.num_computed == seq.num_tokens:
+                seq.tokens.append(0)
+    return batch
+
+
+def test_scheduler_registers_pages_computed_after_a_cache_hit():
+    from cascadeinfer.engine.scheduler import Scheduler  # noqa: PLC0415
+
+    cache = PrefixCache(_pool(32))
+    sched = Scheduler(cache, max_num_seqs=4, max_num_batched_tokens=64)
+    first = _seq(0, [1, 2, 3, 4, 5, 6, 7])  # pages [1,2] [3,4] [5,6] are cached after its prefill
+    sched.add(first)
+    _run_prefill(sched)
+    assert cache.num_cached == 3
+    second = _seq(1, [1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12])  # hits 3 pages, computes [8,9] [10,11] and 12
+    sched.add(second)
+    batch = _run_prefill(sched)
+    assert (second, 5) in batch.prefill and second.num_registered == 5
+    assert cache.num_cached == 5 and not cache._pending  # its new full pages are offered
+    third = _seq(2, [1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 13])
+    assert cache.match(third) == (second.pages[:5], False)
+
+
+def test_scheduler_admits_past_requests_waiting_for_a_prefix():
+    from cascadeinfer.engine.scheduler import Scheduler  # noqa: PLC0415
+
+    cache = PrefixCache(_pool(32))
+    sched = Scheduler(cache, max_num_seqs=8, max_num_batched_tokens=64)
+    a0, a1 = _seq(0, [1, 2, 3, 4, 5, 6, 7]), _seq(1, [1, 2, 3, 4, 5, 6, 8])
+    b0, b1 = _seq(2, [9, 9, 9, 9, 10]), _seq(3, [9, 9, 9, 9, 11])
+    for seq in (a0, a1, b0, b1):
+        sched.add(seq)
+    first = _run_prefill(sched, sample=True)  # a1 and b1 wait for the pages a0 and b0 compute
+    assert first.prefill == [(a0, 7), (b0, 5)] and sched.waiting == [a1, b1]
+    second = _run_prefill(sched, sample=True)  # then they hit them: one token each is left
+    assert second.prefill == [] and second.decode == [a0, b0, a1, b1] and not sched.waiting
+    assert sched.num_cached_prompt_tokens == 6 + 4 and sched.num_computed_prompt_tokens == 7 + 5 + 1 + 1
+    assert sched.num_computed_tokens == 7 + 5 + 1 + 1 + 2  # and the first tokens a0 and b0 sampled
+
+
+def test_prefix_cache_waiting_sequence_is_answered_without_a_walk():
+    cache = PrefixCache(_pool(16))
+    a = _seq(0, [1, 2, 3, 4, 5])
+    a.pages = cache.allocate(3)
+    cache.claim_pending(a)
+    b = _seq(1, [1, 2, 3, 4, 7])
+    assert cache.match(b) == ([], True)
+    b.tokens[0] = 99  # were the chain walked again, b would not wait
+    assert cache.match(b) == ([], True)
+    a.num_computed = 5
+    cache.register(a)  # a's pages are in: b walks its chain again
+    b.tokens[0] = 1
+    assert cache.match(b) == (a.pages[:2], False)
+
+
+# ---- bench floors --------------------------------------------------------------------------
+
+
+def test_bench_floors_by_hand():
+    from cascadeinfer.engine.bench import Ceilings, ModelCosts, Workload, memory_needed  # noqa: PLC0415
+    from cascadeinfer.engine.model_loader import preset  # noqa: PLC0415
+
+    costs = ModelCosts(weight_bytes=1000, body_params=10, head_params=5, kv_bytes_per_token=2, flops_per_pair=3)
+    w = Workload(requests=2, prefix=4, suffix=2, new_tokens=3)
+    # prefill: 4 + 2 * 2 tokens in 2 steps of 4; pairs 4*5/2 + 2 * (2*4 + 2*3/2); 2 rows of logits
+    bandwidth_bound, compute_bound = Ceilings(100.0, 1000.0), Ceilings(1e6, 10.0)
+    assert w.prefill_floor(costs, bandwidth_bound, 4) == pytest.approx((2 * 1000 + 8 * 2) / 100)
+    assert w.prefill_floor(costs, compute_bound, 4) == pytest.approx((2 * 10 * 8 + 2 * 5 * 2 + 3 * 32) / 10)
+    # decode: 2 steps (the first token comes from the prefill), 7 then 8 keys per request, the prefix read once
+    assert w.decode_floors(costs, bandwidth_bound, 2) == pytest.approx([(1000 + (10 + 2) * 2) / 100,
+                                                                        (1000 + (12 + 2) * 2) / 100])
+    assert w.decode_floors(costs, compute_bound, 2)[0] == pytest.approx((2 * 10 * 2 + 2 * 5 * 2 + 3 * 14) / 10)
+    assert len(w.decode_floors(costs, compute_bound, 1)) == 4  # two waves of one request
+    llama = ModelCosts.of(preset("llama3-8b"), 15 * 10**9, 2)
+    assert llama.body_params + llama.head_params == pytest.approx(7.5e9, rel=0.01)
+    assert llama.kv_bytes_per_token == 128 * 1024 and llama.flops_per_pair == 4 * 32 * 32 * 128
+    assert memory_needed(preset("tiny"), w, 4) > 0
+    with pytest.raises(ValueError, match="copy_bytes_per_s"):
+        Ceilings(0.0, 1.0)
+    with pytest.raises(ValueError, match="new_tokens"):
+        Workload(requests=2, prefix=4, suffix=2, new_tokens=0)

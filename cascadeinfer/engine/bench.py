@@ -1,34 +1,51 @@
-"""``cascadeinfer bench``: end-to-end throughput on a synthetic shared-prefix workload.
+"""``cascadeinfer bench``: end-to-end throughput on a shared-prefix workload, against floors.
 
 The workload: ``--requests`` prompts, each a ``--prefix``-token system prompt shared by all
 followed by a ``--suffix``-token unique part, ``--new-tokens`` greedy tokens each (EOS
-ignored). The model is a random-weight model of a preset's shapes (``--preset
-llama3-8b``), built in memory without any checkpoint, or a local checkpoint (``--model``).
+ignored), all submitted at once. The model is a random-weight model of a preset's shapes
+(``--preset llama3-8b``; ``--preset tiny`` for a CPU), built in memory without any
+checkpoint, or a local checkpoint (``--model``). A model whose weights and KV cache would
+not fit the device's free memory is refused unless ``--force`` is given.
 
 What runs, in order:
 
 1. **Check** (unless ``--skip-check``): a small random fp32 Llama on the same device; the
    engine's greedy tokens with cascade forced on and with flat decode must equal
    transformers' generate on shared-prefix prompts, else the bench stops (exit 1).
-2. **Copy bandwidth** (CUDA): a 1 GiB device-to-device copy (``torch.add(x, 0, out=y)``),
-   timed as a CUDA-graph replay, median; bytes read + written per second.
-3. **Engine runs**, one per ``--modes`` entry among ``cascade`` (decode attention forced
-   to the cascade), ``flat`` (forced flat paged decode) and ``auto`` (the planner
-   chooses each step): the same engine, warmed up (kernels compiled, graphs captured for
-   a small batch) and with the prefix cache emptied before each run. Output tokens/s =
-   requests × new tokens / wall time of ``generate`` (prefill included). For the decode
-   steps at full batch: the median step time (host scheduling and sampling included) and
-   the achieved bandwidth = (weight bytes + KV bytes the decode attention reads) / step
-   time, against the copy bandwidth. KV bytes count the shared prefix once for cascade
-   and once per request for flat (what each algorithm must read; flat may be served
-   partly from L2).
-4. **transformers generate** (``hf`` in ``--modes``, when transformers is installed): the
-   same model shapes with random weights (sdpa attention), on ``--hf-requests`` of the
-   prompts as one padded-free batch (all prompts have the same length), after the engine
-   is freed. Out of memory is reported, not fatal.
+2. **Ceilings**, measured on the device in this run: the copy bandwidth (a large
+   ``torch.add(x, 0, out=y)``, bytes read + written per second) and the matmul rate (a
+   square ``torch.mm`` in the engine's dtype, bf16 on a GPU), each the median of many
+   timed calls (CUDA-graph replays on a GPU).
+3. **Runs**, one per ``--modes`` entry, in the order given: ``cascade`` (the engine, decode
+   attention forced to the cascade), ``flat`` (forced flat paged decode), ``auto`` (the
+   planner chooses each step) and ``hf`` (transformers' own continuous batching,
+   ``generate_batch`` with its paged attention, over the same requests). Each mode first
+   runs, untimed, a workload of the same shapes with other tokens: every kernel is
+   compiled and every CUDA-graph bucket the timed run uses is captured (the timed run is
+   checked to capture none), and nothing it cached can serve the timed prompts. The
+   engine's prefix cache is emptied before the timed run. One engine serves all engine
+   modes; it is freed before ``hf`` runs (and built again, the same, for engine modes
+   after it), so the order of the modes changes no run's conditions.
 
-A markdown table is printed at the end; ``--json PATH`` (and ``$OUT/bench_engine.json``
-when ``OUT`` is set) receives every number.
+Reported per run (table, and every number in ``--json PATH``):
+
+* **end to end**: output tokens / wall time of the whole batch (prefill included), and
+  the fraction of its floor: the prefill of the shared prompt once plus every suffix, then
+  ``new_tokens - 1`` decode steps of the whole batch (``max_num_seqs`` at a time), each
+  at the decode step floor below.
+* **prefill**: the time of the steps that carry prompt tokens (the decode tokens of
+  requests admitted earlier ride along), against the floor of computing the shared prompt
+  once plus the suffixes: max(weight bytes per step of ``max_num_batched_tokens`` + KV
+  bytes written, / copy bandwidth; 2 · matmul params · tokens + attention FLOPs, / matmul
+  rate). Also the prompt tokens the engine computed against those submitted.
+* **decode step**: the median over the steps that decode the full batch (host work
+  included), against the median of those steps' floors: max((weight bytes + KV bytes
+  read with the shared prefix once + KV bytes written) / copy bandwidth, (2 · matmul
+  params · batch + attention FLOPs) / matmul rate). The KV bytes the mode's attention
+  actually reads are reported beside it (flat re-reads the prefix for every request).
+
+Floors are lower bounds: they leave out what a perfect kernel could avoid or overlap
+(activations, the prefill's reads of the prefix, norms, sampling).
 """
 
 from __future__ import annotations
@@ -41,15 +58,18 @@ import platform
 import statistics
 import tempfile
 import time
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from datetime import date
 
 import torch
 
-from cascadeinfer.engine.model_loader import PRESETS, ModelConfig, parse_dtype
+from cascadeinfer.engine.model_loader import PRESETS, ModelConfig, ModelLoadError, parse_dtype
 from cascadeinfer.engine.sampling import SamplingParams
 
-QUICK = dict(requests=64, prefix=1024, suffix=64, new_tokens=64, hf_requests=16)
+QUICK = dict(requests=64, prefix=1024, suffix=64, new_tokens=64)
+MODES = ("cascade", "flat", "auto", "hf")
+_ENGINE_MODES = {"cascade": True, "flat": False, "auto": None}
 
 
 def add_bench_args(b: argparse.ArgumentParser) -> None:
@@ -60,16 +80,17 @@ def add_bench_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--prefix", type=int, default=4096, help="shared system-prompt tokens")
     b.add_argument("--suffix", type=int, default=128, help="unique tokens per request")
     b.add_argument("--new-tokens", type=int, default=256)
-    b.add_argument("--hf-requests", type=int, default=32, help="requests in transformers' batch (memory)")
-    b.add_argument("--modes", default="cascade,flat,hf", help="comma list of cascade, flat, auto, hf")
+    b.add_argument("--modes", default="cascade,flat,hf",
+                   help="comma list, run in this order, of cascade, flat, auto (the engine) and hf (transformers)")
     b.add_argument("--quick", action="store_true",
                    help=f"a smaller workload: {', '.join(f'{k}={v}' for k, v in QUICK.items())}")
     b.add_argument("--skip-check", action="store_true", help="skip the correctness check")
+    b.add_argument("--force", action="store_true", help="run even when the model seems not to fit the device's memory")
     b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--json", default=None, help="write the results here as JSON")
+    b.add_argument("--json", default=None, metavar="PATH", help="write the results here as JSON")
 
 
-# ---- measurements ---------------------------------------------------------------------
+# ---- device ceilings ------------------------------------------------------------------
 
 
 def _sync(device: torch.device) -> None:
@@ -77,26 +98,169 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def copy_bandwidth(device: torch.device, nbytes: int = 2**30) -> float | None:
-    """Bytes/s (read + write) of a large device copy, CUDA-graph replay median; None on CPU."""
-    if device.type != "cuda":
-        return None
-    import triton  # noqa: PLC0415
+def _median_seconds(fn: Callable[[], object], device: torch.device) -> float:
+    """Median time of ``fn``: CUDA-graph replays on a GPU, timed calls on a CPU."""
+    if device.type == "cuda":
+        import triton  # noqa: PLC0415
 
+        fn()
+        _sync(device)
+        return triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median") * 1e-3
+    fn()
+    times = []
+    for _ in range(9):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes/s (read + written) of a large device copy: 1 GiB on a GPU, 64 MiB on a CPU."""
+    nbytes = 2**30 if device.type == "cuda" else 2**26
     x = torch.randn(nbytes // 4, device=device)
     y = torch.empty_like(x)
-    torch.add(x, 0, out=y)
-    _sync(device)
-    seconds = triton.testing.do_bench_cudagraph(lambda: torch.add(x, 0, out=y), rep=200, return_mode="median") * 1e-3
+    seconds = _median_seconds(lambda: torch.add(x, 0, out=y), device)
     if not torch.equal(x, y):
         raise RuntimeError("copy bandwidth: the copy is wrong")
     return 2 * nbytes / seconds
 
 
-def _workload(vocab: int, requests: int, prefix: int, suffix: int, seed: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    shared = torch.randint(3, vocab, (prefix,), generator=gen).tolist()
-    return [shared + torch.randint(3, vocab, (suffix,), generator=gen).tolist() for _ in range(requests)]
+def matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
+    """FLOP/s of a square ``torch.mm`` in ``dtype``: 8192 on a GPU, 512 on a CPU."""
+    n = 8192 if device.type == "cuda" else 512
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, generator=gen).to(dtype)
+    b = torch.randn(n, n, device=device, generator=gen).to(dtype)
+    c = torch.empty(n, n, device=device, dtype=dtype)
+    seconds = _median_seconds(lambda: torch.mm(a, b, out=c), device)
+    return 2 * n**3 / seconds
+
+
+@dataclass(frozen=True, slots=True)
+class Ceilings:
+    """What the device reaches in this run: copy bytes/s (read + written), matmul FLOP/s."""
+
+    copy_bytes_per_s: float
+    matmul_flops_per_s: float
+
+    def __post_init__(self) -> None:
+        for name in ("copy_bytes_per_s", "matmul_flops_per_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: expected a positive rate, got {getattr(self, name)!r}")
+
+
+# ---- model arithmetic and floors ------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCosts:
+    """Bytes and FLOPs of a model's steps.
+
+    ``weight_bytes``: what every step reads (all weights but the embedding table, unless
+    tied). ``body_params``: the matmul weights every token meets; ``head_params``: the
+    output projection, met by the tokens whose logits are computed. An attention *pair*
+    is one query and one key in every layer: QK and PV, ``4 · heads · head_dim`` FLOPs.
+    """
+
+    weight_bytes: int
+    body_params: int
+    head_params: int
+    kv_bytes_per_token: int
+    flops_per_pair: int
+
+    @classmethod
+    def of(cls, mc: ModelConfig, weight_bytes: int, elem_bytes: int) -> ModelCosts:
+        h, d = mc.hidden_size, mc.head_dim
+        layer = h * (mc.num_qo_heads + 2 * mc.num_kv_heads) * d + mc.num_qo_heads * d * h + 3 * h * mc.intermediate_size
+        return cls(weight_bytes=weight_bytes, body_params=mc.num_layers * layer, head_params=mc.vocab_size * h,
+                   kv_bytes_per_token=2 * mc.num_layers * mc.num_kv_heads * d * elem_bytes,
+                   flops_per_pair=4 * mc.num_layers * mc.num_qo_heads * d)
+
+    def step_floor(self, ceil: Ceilings, *, tokens: int, logits: int, pairs: int, kv_read: int,
+                   weight_reads: int = 1) -> float:
+        """Seconds at least for ``tokens`` tokens (``logits`` of them with logits) that
+        attend ``pairs`` (query, key) pairs, read ``kv_read`` tokens' K/V and write their
+        own, reading the weights ``weight_reads`` times."""
+        nbytes = weight_reads * self.weight_bytes + (kv_read + tokens) * self.kv_bytes_per_token
+        flops = 2 * self.body_params * tokens + 2 * self.head_params * logits + self.flops_per_pair * pairs
+        return max(nbytes / ceil.copy_bytes_per_s, flops / ceil.matmul_flops_per_s)
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """``requests`` prompts of a shared ``prefix`` and an own ``suffix``; ``new_tokens`` each."""
+
+    requests: int
+    prefix: int
+    suffix: int
+    new_tokens: int
+
+    def __post_init__(self) -> None:
+        for name in ("requests", "new_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected a positive count, got {getattr(self, name)}")
+        for name in ("prefix", "suffix"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: expected a count >= 0, got {getattr(self, name)}")
+        if self.prefix + self.suffix < 1:
+            raise ValueError("prefix, suffix: a prompt needs at least one token")
+
+    def prompts(self, vocab: int, seed: int) -> list[list[int]]:
+        gen = torch.Generator().manual_seed(seed)
+        shared = torch.randint(3, vocab, (self.prefix,), generator=gen).tolist()
+        return [shared + torch.randint(3, vocab, (self.suffix,), generator=gen).tolist() for _ in range(self.requests)]
+
+    def prefill_floor(self, costs: ModelCosts, ceil: Ceilings, max_batched_tokens: int) -> float:
+        """The shared prompt once, then every suffix; in steps of ``max_batched_tokens``."""
+        p, s, r = self.prefix, self.suffix, self.requests
+        tokens = p + r * s
+        pairs = p * (p + 1) // 2 + r * (s * p + s * (s + 1) // 2)  # causal: position i sees i + 1 keys
+        return costs.step_floor(ceil, tokens=tokens, logits=r, pairs=pairs, kv_read=0,
+                                weight_reads=-(-tokens // max_batched_tokens))
+
+    def decode_floors(self, costs: ModelCosts, ceil: Ceilings, max_batch: int) -> list[float]:
+        """Floors of the decode steps after the prefill: ``new_tokens - 1`` per wave of at
+        most ``max_batch`` requests, the prefix read once per step."""
+        floors = []
+        for first in range(0, self.requests, max_batch):
+            batch = min(max_batch, self.requests - first)
+            for k in range(1, self.new_tokens):
+                keys = self.prefix + self.suffix + k  # the fed token included
+                floors.append(costs.step_floor(ceil, tokens=batch, logits=batch, pairs=batch * keys,
+                                               kv_read=self.prefix + batch * (keys - self.prefix)))
+        return floors
+
+
+def decode_step_floor(costs: ModelCosts, ceil: Ceilings, step) -> float:
+    """Floor of one recorded decode step (a ``StepStats`` without prefill tokens)."""
+    return costs.step_floor(ceil, tokens=step.num_decode, logits=step.num_decode, pairs=step.kv_tokens_attended,
+                            kv_read=step.kv_tokens_shared_once)
+
+
+def memory_needed(mc: ModelConfig, workload: Workload, elem_bytes: int) -> int:
+    """Bytes the engine needs at least: the weights, and the workload's K/V with the
+    shared prefix held once."""
+    kv = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * elem_bytes
+    tokens = workload.prefix + workload.requests * (workload.suffix + workload.new_tokens)
+    return mc.num_parameters() * elem_bytes + tokens * kv
+
+
+def memory_available(device: torch.device) -> int:
+    """Free bytes on ``device``: the GPU's free memory, or the host's available memory."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+# ---- transformers models, and the correctness check ------------------------------
 
 
 def _hf_config(mc: ModelConfig):
@@ -162,7 +326,7 @@ def correctness_check(device: torch.device, page_size: int) -> str:
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * (0.1 if p.dim() > 1 else 0.2) + (1.0 if "norm" in name else 0.0))
-    prompts = _workload(mc.vocab_size, 6, 3 * page_size + 5, 7, seed=2)
+    prompts = Workload(6, 3 * page_size + 5, 7, 12).prompts(mc.vocab_size, seed=2)
     prompts.append(prompts[0][:11])
     ref = [_hf_generate(model, [p], 12, device)[0] for p in prompts]
     with tempfile.TemporaryDirectory() as tmp:
@@ -181,48 +345,182 @@ def correctness_check(device: torch.device, page_size: int) -> str:
     return "ok (cascade and flat decode equal transformers greedy on 7 prompts, fp32)"
 
 
-def _engine_run(llm, prompts, params, mode: str, device: torch.device, copy_bw: float | None) -> dict:
-    llm.set_use_cascade({"cascade": True, "flat": False, "auto": None}[mode])
+# ---- the runs -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """What every run of one bench shares."""
+
+    workload: Workload
+    prompts: list[list[int]]
+    warmup_prompts: list[list[int]]  # the same shapes, other tokens
+    costs: ModelCosts
+    ceilings: Ceilings
+    end_to_end_floor_s: float
+    prefill_floor_s: float
+
+
+def _end_to_end(row: dict, setting: Setting) -> dict:
+    """Throughput, its floor and the fraction reached, from ``output_tokens`` and ``wall_s``."""
+    floor_tps = row["output_tokens"] / setting.end_to_end_floor_s
+    return {**row, "tokens_per_s": row["output_tokens"] / row["wall_s"], "floor_tokens_per_s": floor_tps,
+            "fraction_of_floor": setting.end_to_end_floor_s / row["wall_s"]}
+
+
+def _graphs_captured(llm) -> int:
+    graphs = llm.runner.graphs
+    return len(graphs.graphs) if graphs is not None and graphs.capture else 0
+
+
+def engine_run(llm, mode: str, setting: Setting, device: torch.device) -> dict:
+    """Warm up on the other-token workload, then time the real one, in ``mode``."""
+    params = SamplingParams(temperature=0.0, max_tokens=setting.workload.new_tokens, ignore_eos=True)
+    llm.set_use_cascade(_ENGINE_MODES[mode])
+    llm.reset_prefix_cache()
+    llm.generate(setting.warmup_prompts, params)
     llm.reset_prefix_cache()
     llm.step_stats.clear()
+    captured, before = _graphs_captured(llm), llm.stats
+    gc.collect()
     _sync(device)
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    outs = llm.generate(setting.prompts, params)
     _sync(device)
     wall = time.perf_counter() - t0
-    new_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    full = [s for s in llm.step_stats if s.num_prefill_tokens == 0 and s.num_decode == len(prompts)]
-    row = {"engine": f"cascadeinfer {mode}", "requests": len(prompts), "output_tokens": new_tokens,
-           "wall_s": wall, "tokens_per_s": new_tokens / wall, "preemptions": llm.num_preemptions}
+    stats = llm.stats - before
+    steps = llm.step_stats
+    costs, ceil = setting.costs, setting.ceilings
+    prefill = [s for s in steps if s.num_prefill_tokens]
+    row = _end_to_end({
+        "engine": f"cascadeinfer {mode}", "mode": mode, "requests": len(outs),
+        "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs), "wall_s": wall,
+        "prompt_tokens": stats.prompt_tokens, "prefill_tokens": stats.prefill_tokens,
+        "cached_prompt_tokens": stats.cached_prompt_tokens, "preemptions": stats.preemptions, "steps": stats.steps,
+        "prefill_s": sum(s.seconds for s in prefill), "prefill_floor_s": setting.prefill_floor_s,
+        "prefill_steps": len(prefill), "graphs_captured_while_timed": _graphs_captured(llm) - captured,
+    }, setting)
+    row["fraction_of_prefill_floor"] = row["prefill_floor_s"] / row["prefill_s"] if row["prefill_s"] else None
+    batch = min(len(outs), llm.config.max_num_seqs)
+    full = [s for s in steps if s.num_prefill_tokens == 0 and s.num_decode == batch]
     if full:
         step = statistics.median(s.seconds for s in full)
-        mc = llm.model_config
-        kv_bytes_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * llm.pool.cache.element_size()
-        kv = statistics.median(s.kv_tokens_read for s in full) * kv_bytes_per_token
-        weights = llm.model.weight_bytes()
-        row.update(decode_step_ms=step * 1e3, decode_steps=len(full), weights_gb=weights / 1e9, kv_gb=kv / 1e9,
-                   achieved_gb_s=(weights + kv) / step / 1e9,
+        floor = statistics.median(decode_step_floor(costs, ceil, s) for s in full)
+        kv_read = statistics.median(s.kv_tokens_read for s in full) * costs.kv_bytes_per_token
+        row.update(decode_step_ms=step * 1e3, decode_step_floor_ms=floor * 1e3, fraction_of_decode_floor=floor / step,
+                   decode_steps=len(full), weights_gb=costs.weight_bytes / 1e9, kv_read_gb=kv_read / 1e9,
+                   achieved_gb_s=(costs.weight_bytes + kv_read) / step / 1e9,
+                   fraction_of_copy_bw=(costs.weight_bytes + kv_read) / step / ceil.copy_bytes_per_s,
                    cascade_steps=sum(bool(s.cascade) for s in full), graph_steps=sum(s.graph for s in full))
-        if copy_bw:
-            row["fraction_of_copy_bw"] = (weights + kv) / step / copy_bw
     return row
 
 
-def _table(rows: list[dict]) -> str:
-    cols = [("engine", "engine"), ("requests", "requests"), ("output_tokens", "output tokens"), ("wall_s", "wall s"),
-            ("tokens_per_s", "output tok/s"), ("decode_step_ms", "decode step ms"), ("weights_gb", "weights GB"),
-            ("kv_gb", "KV GB/step"), ("achieved_gb_s", "achieved GB/s"), ("fraction_of_copy_bw", "of copy BW")]
+def _hf_batch_config(setting: Setting, llm_kwargs: dict, device: torch.device):
+    """transformers' own sizing on a GPU; on a CPU (where it would size its cache from the
+    host's memory) a cache just large enough for the workload."""
+    import transformers  # noqa: PLC0415
 
-    def fmt(x) -> str:
-        if x is None:
-            return "—"
-        if isinstance(x, float):
-            return f"{x:.3g}" if abs(x) < 1000 else f"{x:.0f}"
-        return str(x)
+    cls = getattr(transformers, "ContinuousBatchingConfig", None)
+    if cls is None or device.type == "cuda":
+        return None
+    w, page = setting.workload, 16
+    blocks = w.requests * -(-(w.prefix + w.suffix + w.new_tokens) // page) + 1
+    return cls(page_size=page, num_blocks=blocks, max_batch_tokens=llm_kwargs["max_num_batched_tokens"],
+               max_requests_per_batch=llm_kwargs["max_num_seqs"])
 
-    lines = ["| " + " | ".join(c for _, c in cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(fmt(r.get(k)) for k, _ in cols) + " |" for r in rows]
+
+def hf_run(mc: ModelConfig, dtype: torch.dtype, device: torch.device, setting: Setting, llm_kwargs: dict) -> dict:
+    """transformers' continuous batching (``generate_batch``) over the same requests: a
+    persistent manager warmed up on the other-token workload, then the timed call."""
+    import importlib.util  # noqa: PLC0415
+    import logging  # noqa: PLC0415
+
+    row = {"engine": "transformers generate_batch", "mode": "hf", "requests": len(setting.prompts)}
+    try:
+        import transformers  # noqa: PLC0415
+    except ImportError:
+        return {**row, "error": "transformers is not installed"}
+    if not hasattr(_hf_config(mc)[1], "generate_batch"):
+        return {**row, "error": f"transformers {transformers.__version__} has no generate_batch (continuous batching)"}
+    # It switches sdpa to flash attention for continuous batching when a flash package is installed.
+    row["attn_implementation"] = "sdpa"
+    row["flash_attn_installed"] = any(importlib.util.find_spec(m) is not None
+                                      for m in ("flash_attn", "flash_attn_interface"))
+    new = setting.workload.new_tokens
+    gen_config = transformers.GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    kwargs = {"generation_config": gen_config, "progress_bar": False, "persistent_manager": True}
+    cb_config = _hf_batch_config(setting, llm_kwargs, device)
+    if cb_config is not None:
+        kwargs["continuous_batching_config"] = cb_config
+    log = logging.getLogger("ContinuousBatchingLogger")
+    level = log.level
+    log.setLevel(logging.ERROR)  # a warning per call about the persistent manager otherwise
+    model = None
+    try:
+        model = _hf_model(mc, dtype, device)
+        model.generate_batch(setting.warmup_prompts, **kwargs)  # sizes the manager, captures its graphs
+        _sync(device)
+        t0 = time.perf_counter()
+        out = model.generate_batch(setting.prompts, **kwargs)
+        _sync(device)
+        wall = time.perf_counter() - t0
+    except torch.OutOfMemoryError as exc:
+        return {**row, "error": f"out of memory ({str(exc).splitlines()[0][:80]})"}
+    except Exception as exc:  # noqa: BLE001 - a failing peer must not lose the engine's rows
+        return {**row, "error": f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:120]}"}
+    finally:
+        log.setLevel(level)
+        if model is not None and hasattr(model, "destroy_cached_continuous_batching_manager"):
+            model.destroy_cached_continuous_batching_manager()
+        model = None
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    lengths = [len(o.generated_tokens) for o in out.values() if o.error is None]
+    if len(lengths) != len(setting.prompts) or any(n != new for n in lengths):
+        return {**row, "error": f"{len(lengths)} of {len(setting.prompts)} requests finished, "
+                                f"{sum(lengths)} tokens instead of {new * len(setting.prompts)}"}
+    return _end_to_end({**row, "output_tokens": sum(lengths), "wall_s": wall}, setting)
+
+
+# ---- report ---------------------------------------------------------------------------
+
+
+_COLUMNS = [("engine", "engine"), ("output_tokens", "output tokens"), ("wall_s", "wall s"),
+            ("tokens_per_s", "output tok/s"), ("fraction_of_floor", "of floor"), ("prefill_s", "prefill s"),
+            ("prefill_floor_s", "prefill floor s"), ("decode_step_ms", "decode step ms"),
+            ("decode_step_floor_ms", "step floor ms"), ("prefill_tokens", "prompt tok computed"),
+            ("prompt_tokens", "prompt tok submitted"), ("kv_read_gb", "KV GB/step"), ("achieved_gb_s", "achieved GB/s")]
+
+
+def _fmt(x) -> str:
+    if x is None:
+        return "—"
+    if isinstance(x, float):
+        return f"{x:.3g}" if abs(x) < 1000 else f"{x:.0f}"
+    return str(x)
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| " + " | ".join(c for _, c in _COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
+    for r in rows:
+        cells = [_fmt(r.get(k)) for k, _ in _COLUMNS]
+        if "error" in r:
+            cells[1] = r["error"]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def ratios(rows: list[dict]) -> dict[str, float]:
+    """Throughput and decode-step ratios between the runs that have them."""
+    by = {r["mode"]: r for r in rows if "tokens_per_s" in r}
+    out = {}
+    for a, b in (("cascade", "flat"), ("cascade", "hf"), ("auto", "flat"), ("flat", "hf")):
+        if a in by and b in by:
+            out[f"{a} / {b} tokens/s"] = by[a]["tokens_per_s"] / by[b]["tokens_per_s"]
+            if "decode_step_ms" in by[a] and "decode_step_ms" in by[b]:
+                out[f"{b} / {a} decode step"] = by[b]["decode_step_ms"] / by[a]["decode_step_ms"]
+    return out
 
 
 def _environment(device: torch.device) -> dict:
@@ -240,6 +538,16 @@ def _environment(device: torch.device) -> dict:
             "transformers": hf}
 
 
+# ---- the command ----------------------------------------------------------------------
+
+
+def _parse_modes(text: str) -> list[str]:
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    if not modes or set(modes) - set(MODES) or len(set(modes)) != len(modes):
+        raise SystemExit(f"--modes: expected a comma list of distinct {', '.join(MODES)}; got {text!r}")
+    return modes
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from cascadeinfer.engine.cli import _engine_kwargs  # noqa: PLC0415
     from cascadeinfer.engine.llm import LLM  # noqa: PLC0415
@@ -248,109 +556,114 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.quick:
         for key, value in QUICK.items():
             setattr(args, key, value)
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = set(modes) - {"cascade", "flat", "auto", "hf"}
-    if unknown or not modes:
-        raise SystemExit(f"--modes: expected a comma list of cascade, flat, auto, hf; got {args.modes!r}")
-    for name in ("requests", "prefix", "suffix", "new_tokens", "hf_requests"):
-        if getattr(args, name) < (0 if name in ("prefix", "suffix") else 1):
-            raise SystemExit(f"--{name.replace('_', '-')}: got {getattr(args, name)}")
-    if args.prefix + args.suffix < 1:
-        raise SystemExit("--prefix, --suffix: a prompt needs at least one token")
+    modes = _parse_modes(args.modes)
+    try:
+        workload = Workload(args.requests, args.prefix, args.suffix, args.new_tokens)
+    except ValueError as exc:
+        raise SystemExit(f"--{str(exc).replace('_', '-')}") from None
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        raise SystemExit(f"--json: the directory of {args.json!r} does not exist")
     kwargs = _engine_kwargs(args)
     device = torch.device(kwargs.pop("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = kwargs.pop("dtype")
     dtype = parse_dtype(dtype if dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32"))
-    kwargs["max_model_len"] = kwargs["max_model_len"] or args.prefix + args.suffix + args.new_tokens
+    elem = torch.empty((), dtype=dtype).element_size()
     kwargs.pop("use_cascade")
-    env = _environment(device)
-    workload = {"requests": args.requests, "prefix": args.prefix, "suffix": args.suffix,
-                "new_tokens": args.new_tokens, "model": args.model or args.preset or "llama3-8b", "dtype": str(dtype)}
-    print("# " + ", ".join(f"{k} {v}" for k, v in env.items()), flush=True)
-    print("# workload: " + ", ".join(f"{k} {v}" for k, v in workload.items()), flush=True)
+    kwargs["max_model_len"] = kwargs["max_model_len"] or args.prefix + args.suffix + args.new_tokens
+    if device.type != "cuda" and kwargs["num_pages"] is None:  # every sequence's pages, no preemption
+        kwargs["num_pages"] = args.requests * -(-kwargs["max_model_len"] // kwargs["page_size"]) + 1
+    name = args.model or args.preset or "llama3-8b"
+    try:
+        mc = ModelConfig.from_dir(args.model) if args.model else preset(name)
+    except ModelLoadError as exc:
+        raise SystemExit(f"--model: {exc}") from None
+    need, free = memory_needed(mc, workload, elem), memory_available(device)
+    if need > free and not args.force:
+        raise SystemExit(f"{'--model' if args.model else '--preset'} {name}: its weights and this workload's KV cache "
+                         f"need {need / 1e9:.1f} GB in {str(dtype).removeprefix('torch.')}, but {device.type} has "
+                         f"{free / 1e9:.1f} GB free; use a smaller model (e.g. --preset tiny on a CPU) or a smaller "
+                         "workload, or pass --force to try anyway")
 
+    env = _environment(device)
+    info = {"requests": args.requests, "prefix": args.prefix, "suffix": args.suffix, "new_tokens": args.new_tokens,
+            "model": name, "dtype": str(dtype).removeprefix("torch."), "modes": modes, "page_size": kwargs["page_size"],
+            "max_num_batched_tokens": kwargs["max_num_batched_tokens"], "max_num_seqs": kwargs["max_num_seqs"]}
+    print("# " + ", ".join(f"{k} {v}" for k, v in env.items()), flush=True)
+    print("# workload: " + ", ".join(f"{k} {v}" for k, v in info.items()), flush=True)
     check = "skipped" if args.skip_check else correctness_check(device, args.page_size)
     print(f"# check: {check}", flush=True)
-    gc.collect()
-    copy_bw = copy_bandwidth(device)
-    if copy_bw:
-        print(f"# measured copy bandwidth: {copy_bw / 1e9:.0f} GB/s (1 GiB torch copy, read + write)", flush=True)
 
-    engine_modes = [m for m in modes if m != "hf"]
-    rows: list[dict] = []
-    if args.model:
-        llm = LLM(args.model, device=device, dtype=dtype, tokenizer=False, record_steps=True, **kwargs)
-        mc = llm.model_config
-    else:
-        mc = preset(args.preset or "llama3-8b")
-        llm = LLM.from_config(mc, device=device, dtype=dtype, seed=args.seed, record_steps=True, **kwargs) \
-            if engine_modes else None
-    prompts = _workload(mc.vocab_size, args.requests, args.prefix, args.suffix, args.seed)
-    params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
-    if llm is not None:
+    gc.collect()
+    ceil = Ceilings(copy_bandwidth(device), matmul_rate(device, dtype))
+    print(f"# ceilings measured: copy {ceil.copy_bytes_per_s / 1e9:.0f} GB/s (read + written), "
+          f"{str(dtype).removeprefix('torch.')} matmul {ceil.matmul_flops_per_s / 1e12:.1f} TFLOP/s", flush=True)
+
+    # What every step reads: all weights but the embedding table (unless tied), as the engine counts them.
+    weight_bytes = (mc.num_parameters() - (0 if mc.tie_word_embeddings else mc.vocab_size * mc.hidden_size)) * elem
+    costs = ModelCosts.of(mc, weight_bytes, elem)
+    prefill_floor = workload.prefill_floor(costs, ceil, kwargs["max_num_batched_tokens"])
+    decode_floors = workload.decode_floors(costs, ceil, kwargs["max_num_seqs"])
+    prompts = workload.prompts(mc.vocab_size, args.seed)
+    warmup_prompts = workload.prompts(mc.vocab_size, args.seed + 1)
+    setting = Setting(workload, prompts, warmup_prompts, costs, ceil, prefill_floor + sum(decode_floors), prefill_floor)
+    floors = {"prefill_s": prefill_floor, "decode_steps": len(decode_floors),
+              "decode_step_first_ms": decode_floors[0] * 1e3 if decode_floors else None,
+              "decode_step_last_ms": decode_floors[-1] * 1e3 if decode_floors else None,
+              "end_to_end_s": setting.end_to_end_floor_s,
+              "end_to_end_tokens_per_s": workload.requests * workload.new_tokens / setting.end_to_end_floor_s}
+    print(f"# floors: prefill {prefill_floor:.3g} s, {len(decode_floors)} decode steps of "
+          f"{_fmt(floors['decode_step_first_ms'])}..{_fmt(floors['decode_step_last_ms'])} ms, end to end "
+          f"{setting.end_to_end_floor_s:.3g} s ({floors['end_to_end_tokens_per_s']:.0f} output tok/s)", flush=True)
+
+    def build() -> LLM:
+        if args.model:
+            llm = LLM(args.model, device=device, dtype=dtype, tokenizer=False, record_steps=True, **kwargs)
+        else:
+            llm = LLM.from_config(mc, device=device, dtype=dtype, seed=args.seed, record_steps=True, **kwargs)
         print(f"# engine: {llm.pool.num_pages} KV pages of {llm.config.page_size} tokens, "
-              f"{llm.model.weight_bytes() / 1e9:.1f} GB of weights", flush=True)
-        # Warm up on the timed workload itself (a few tokens): every kernel specialisation
-        # compiles and the decode graph of the timed batch size is captured before timing.
-        for mode in engine_modes:
-            llm.set_use_cascade({"cascade": True, "flat": False, "auto": None}[mode])
-            llm.reset_prefix_cache()
-            llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
-        for mode in engine_modes:
-            row = _engine_run(llm, prompts, params, mode, device, copy_bw)
-            rows.append(row)
-            print(f"# {row['engine']}: {row['tokens_per_s']:.0f} output tok/s", flush=True)
-        del llm
+              f"{llm.model.weight_bytes() / 1e9:.2f} GB of weights", flush=True)
+        return llm
+
+    def free_memory() -> None:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
-    if "hf" in modes:
-        rows.append(_hf_run(mc, dtype, device, prompts[:args.hf_requests], args.new_tokens))
-        hf = rows[-1]
-        print(f"# {hf['engine']}: " + (f"{hf['tokens_per_s']:.0f} output tok/s" if "tokens_per_s" in hf else hf["error"]),
-              flush=True)
+    rows: list[dict] = []
+    llm = None
+    for mode in modes:
+        if mode == "hf":
+            llm = None  # the engine's memory goes back before transformers loads its copy
+            free_memory()
+            row = hf_run(mc, dtype, device, setting, kwargs)
+        else:
+            llm = llm if llm is not None else build()
+            row = engine_run(llm, mode, setting, device)
+        rows.append(row)
+        if "error" in row:
+            print(f"# {row['engine']}: {row['error']}", flush=True)
+            continue
+        line = (f"# {row['engine']}: {row['tokens_per_s']:.0f} output tok/s, {row['fraction_of_floor']:.2f} of "
+                f"the floor's {row['floor_tokens_per_s']:.0f}")
+        if "prefill_tokens" in row:
+            line += f"; prompt tokens computed {row['prefill_tokens']} of {row['prompt_tokens']} submitted"
+        if row.get("graphs_captured_while_timed"):
+            line += f"; WARNING: {row['graphs_captured_while_timed']} CUDA graphs were captured while timed"
+        print(line, flush=True)
+    llm = None
+    free_memory()
 
     print()
-    print(_table(rows))
-    by = {r["engine"]: r.get("tokens_per_s") for r in rows}
-    notes = []
-    if by.get("cascadeinfer cascade") and by.get("cascadeinfer flat"):
-        notes.append(f"cascade / flat: {by['cascadeinfer cascade'] / by['cascadeinfer flat']:.2f}x")
-    hf_tps = next((r.get("tokens_per_s") for r in rows if r["engine"].startswith("transformers")), None)
-    if hf_tps and by.get("cascadeinfer cascade"):
-        notes.append(f"cascade / transformers: {by['cascadeinfer cascade'] / hf_tps:.2f}x")
-    if notes:
-        print("\n" + "; ".join(notes))
-    payload = {"environment": env, "workload": workload, "check": check,
-               "copy_bandwidth_gb_s": copy_bw / 1e9 if copy_bw else None, "rows": rows}
-    for path in [args.json] + ([os.path.join(os.environ["OUT"], "bench_engine.json")] if os.environ.get("OUT") else []):
-        if path:
-            with open(path, "w") as f:
-                json.dump(payload, f, indent=1)
+    print(table(rows))
+    rel = ratios(rows)
+    if rel:
+        print("\n" + "; ".join(f"{k}: {v:.2f}x" for k, v in rel.items()))
+    if args.json:
+        payload = {"environment": env, "workload": info, "check": check,
+                   "ceilings": {"copy_bandwidth_gb_s": ceil.copy_bytes_per_s / 1e9,
+                                "matmul_tflops": ceil.matmul_flops_per_s / 1e12,
+                                "matmul_dtype": str(dtype).removeprefix("torch.")},
+                   "floors": floors, "rows": rows, "ratios": rel}
+        with open(args.json, "w") as f:
+            json.dump(payload, f, indent=1)
     return 0
-
-
-def _hf_run(mc: ModelConfig, dtype: torch.dtype, device: torch.device, prompts: list[list[int]], new_tokens: int) -> dict:
-    row = {"engine": "transformers generate (sdpa)", "requests": len(prompts)}
-    try:
-        import transformers  # noqa: F401, PLC0415
-    except ImportError:
-        return {**row, "error": "transformers not installed"}
-    try:
-        model = _hf_model(mc, dtype, device)
-        _hf_generate(model, prompts[:2], 2, device)  # warm up
-        _sync(device)
-        t0 = time.perf_counter()
-        out = _hf_generate(model, prompts, new_tokens, device)
-        _sync(device)
-        wall = time.perf_counter() - t0
-    except torch.OutOfMemoryError as exc:
-        return {**row, "error": f"out of memory ({str(exc).splitlines()[0][:80]})"}
-    finally:
-        model = None
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    tokens = sum(len(o) for o in out)
-    return {**row, "output_tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall}

@@ -47,6 +47,35 @@ class RequestOutput:
     finished: bool
 
 
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """Counters of an engine since it was built (:attr:`LLM.stats`).
+
+    ``later - earlier`` gives the counts of the work between two snapshots. Without
+    preemptions ``prefill_tokens + cached_prompt_tokens == prompt_tokens``: every prompt
+    token is either computed or served from the prefix cache; a prompt shared by many
+    requests is computed once when ``prefill_tokens`` is its length plus the others' own
+    parts (whole pages are shared, so a shared part that ends inside a page is computed
+    again from that page's start).
+    """
+
+    requests: int = 0  # requests submitted
+    prompt_tokens: int = 0  # their prompt tokens (once per request: its n samples share them)
+    prefill_tokens: int = 0  # prompt tokens whose K/V a step computed (again after a preemption)
+    cached_prompt_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+    computed_tokens: int = 0  # every token a step computed: prefill and decode
+    output_tokens: int = 0  # tokens sampled
+    steps: int = 0
+    preemptions: int = 0
+    cache_hit_pages: int = 0
+    copied_pages: int = 0  # shared pages copied before a write (n > 1 samples)
+
+    def __sub__(self, other: EngineStats) -> EngineStats:
+        if not isinstance(other, EngineStats):
+            return NotImplemented
+        return EngineStats(*(getattr(self, f) - getattr(other, f) for f in self.__dataclass_fields__))
+
+
 @dataclass(slots=True)
 class _Request:
     request_id: int
@@ -129,6 +158,7 @@ class LLM:
         self._next_request = 0
         self._next_seq = 0
         self.step_stats: list[StepStats] = []
+        self._num_requests = self._num_prompt_tokens = self._num_output_tokens = self._num_steps = 0
 
     def _page_bytes(self) -> int:
         mc, cfg = self.model_config, self.config
@@ -226,6 +256,8 @@ class LLM:
         if not params.ignore_eos:
             stop |= set(self.model_config.eos_token_ids)
         self._requests[rid] = _Request(rid, text, ids, params, seqs, frozenset(stop))
+        self._num_requests += 1
+        self._num_prompt_tokens += len(ids)
         self.scheduler.add(seqs[0])
         return rid
 
@@ -256,6 +288,8 @@ class LLM:
         if len(targets) != len(sample_seqs):
             logits = logits.index_select(0, torch.tensor([r for _, r in targets], device=logits.device))
         tokens = sample(logits, [s.params for s, _ in targets], [s.generator for s, _ in targets]).tolist()
+        self._num_steps += 1
+        self._num_output_tokens += len(tokens)
         touched: dict[int, None] = {}
         for (seq, _), token in zip(targets, tokens):
             req = self._requests[seq.request_id]
@@ -362,6 +396,16 @@ class LLM:
     @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
+
+    @property
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine's counters (see :class:`EngineStats`)."""
+        sched = self.scheduler
+        return EngineStats(
+            requests=self._num_requests, prompt_tokens=self._num_prompt_tokens,
+            prefill_tokens=sched.num_computed_prompt_tokens, cached_prompt_tokens=sched.num_cached_prompt_tokens,
+            computed_tokens=sched.num_computed_tokens, output_tokens=self._num_output_tokens, steps=self._num_steps,
+            preemptions=sched.num_preemptions, cache_hit_pages=self.cache.hits, copied_pages=self.cache.copies)
 
 
 def _progress(total: int):

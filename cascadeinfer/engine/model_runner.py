@@ -188,6 +188,10 @@ class StepStats:
     graph: bool
     kv_tokens_read: int  # keys the decode attention reads (shared levels counted once)
     seconds: float = 0.0
+    # Both counts, whichever mode ran (for floors): every row its whole sequence, and the
+    # levels' pages once each (the shared prefix once).
+    kv_tokens_attended: int = 0
+    kv_tokens_shared_once: int = 0
 
 
 class ModelRunner:
@@ -291,8 +295,9 @@ class ModelRunner:
             return StepStats(num_prefill_tokens, 0, None, graph, 0)
         ps = self.page_size
         num_decode = len(levels[-1].qo_indptr) - 1
-        kv = sum(lv.kv_tokens(ps) for lv in levels) if cascade else _flat_kv_tokens(levels, ps)
-        return StepStats(num_prefill_tokens, num_decode, cascade, graph, kv)
+        once, attended = sum(lv.kv_tokens(ps) for lv in levels), _flat_kv_tokens(levels, ps)
+        return StepStats(num_prefill_tokens, num_decode, cascade, graph, once if cascade else attended,
+                         kv_tokens_attended=attended, kv_tokens_shared_once=once)
 
 
 def _flat_kv_tokens(levels: list[LevelTable], page_size: int) -> int:

@@ -52,6 +52,7 @@ class PrefixCache:
         self._entry: dict[int, tuple[bytes, tuple[int, ...]]] = {}  # cached page -> (hash, tokens)
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, refcount 1; oldest first
         self._pending: dict[bytes, int] = {}  # hash -> seq_id of the sequence computing it
+        self._waits_for: dict[int, bytes] = {}  # seq_id -> the pending hash it waited for last
         self.hits = 0  # pages served from the cache (statistics)
         self.copies = 0  # shared pages copied before a write (statistics)
 
@@ -132,18 +133,27 @@ class PrefixCache:
         """Cached pages of ``seq``'s leading full pages, and whether it should wait.
 
         At most ``(num_tokens - 1) // page_size`` pages are matched, so the last token is
-        always computed. Returns ``(pages, blocked)``: ``blocked`` when the first page that
-        misses is being computed by another sequence right now. Takes no references.
+        always computed. Returns ``(pages, blocked)``: ``blocked`` (and no pages) when the
+        first page that misses is being computed by another sequence right now. Takes no
+        references. A sequence asking again while that page is still being computed is
+        answered at once, without walking its chain (many may wait for one prefix).
         """
         if not self.enabled:
             return [], False
+        waited = self._waits_for.pop(seq.seq_id, None)
+        if waited is not None and self._pending.get(waited, seq.seq_id) != seq.seq_id:
+            self._waits_for[seq.seq_id] = waited
+            return [], True
         ps = self.page_size
         pages: list[int] = []
         for i, h in enumerate(self._hashes(seq, (seq.num_tokens - 1) // ps)):
             page = self._page_of.get(h)
             if page is None or self._entry[page][1] != tuple(seq.tokens[i * ps:(i + 1) * ps]):
                 owner = self._pending.get(h)
-                return pages, owner is not None and owner != seq.seq_id
+                if owner is None or owner == seq.seq_id:
+                    return pages, False
+                self._waits_for[seq.seq_id] = h
+                return [], True
             pages.append(page)
         return pages, False
 

@@ -11,12 +11,17 @@ and a sequence cap (``max_num_seqs``):
    next chunk, as far as budget and pages allow (no preemption for these).
 3. **Admission** (unless this step preempted): waiting sequences, oldest first, reuse
    cached prefix pages and get their first chunk. Admission stops at the first one that
-   does not fit, or whose prefix another sequence is computing this very moment (it will
-   hit the cache next step).
+   does not fit. One whose next full page another sequence is computing right now (in
+   this step or in an earlier chunk) is passed over: it stays first in line and hits the
+   cache once those pages are in, so a prompt shared by many requests that arrive
+   together is prefilled once. Requests behind it that share nothing with it go ahead.
 
 A step therefore mixes prefill chunks and decode tokens. A preempted sequence keeps its
 tokens; when it is admitted again its prefill recomputes prompt and generated tokens,
 after which it samples exactly as it would have — outputs do not depend on preemption.
+
+The scheduler counts the tokens each step computes (:meth:`Scheduler.advance`): prompt
+tokens, all tokens, and the prompt tokens served from the prefix cache instead.
 """
 
 from __future__ import annotations
@@ -53,6 +58,12 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by seq_id
         self.running: list[Sequence] = []  # sorted by seq_id
         self.num_preemptions = 0
+        # Statistics: tokens whose K/V steps computed (prompt positions among them, a
+        # prompt recomputed after a preemption counted again), and prompt tokens whose
+        # K/V came from the prefix cache instead.
+        self.num_computed_tokens = 0
+        self.num_computed_prompt_tokens = 0
+        self.num_cached_prompt_tokens = 0
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
@@ -143,22 +154,27 @@ class Scheduler:
 
         # 3. admission; not in a step that preempted (the pages just freed went to an older
         # sequence; admitting the victim again at once would only redo its prefill)
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
-            seq = self.waiting[0]
+        if batch.preempted:
+            return batch
+        for seq in list(self.waiting):
+            if budget == 0 or len(self.running) >= self.max_num_seqs:
+                break
             hits, blocked = self.cache.match(seq)
             if blocked:
-                break
+                continue  # its prefix is being computed: it waits for those pages, the others need not
             self.cache.fork(hits)
             seq.pages = hits
-            seq.num_computed = seq.num_registered = len(hits) * self.page_size
+            seq.num_computed = len(hits) * self.page_size
+            seq.num_registered = len(hits)  # pages (the hits are cached already), not tokens
             n = self._fit(seq, min(seq.num_remaining, budget))
             if n == 0:
                 self.cache.release(hits)
                 seq.pages, seq.num_computed, seq.num_registered = [], 0, 0
                 break
             self.cache.hits += len(hits)
+            self.num_cached_prompt_tokens += min(seq.num_computed, seq.prompt_len)
             self._reserve(seq, n)
-            self.waiting.pop(0)
+            self.waiting.remove(seq)
             seq.status = Status.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.seq_id)
             self.cache.claim_pending(seq)
@@ -173,11 +189,10 @@ class Scheduler:
 
     def advance(self, batch: ScheduledBatch) -> None:
         """The step's tokens are in the cache: move ``num_computed`` on, offer full pages."""
-        for seq, n in batch.prefill:
+        for seq, n in [*batch.prefill, *((seq, 1) for seq in batch.decode)]:
+            self.num_computed_tokens += n
+            self.num_computed_prompt_tokens += max(0, min(seq.num_computed + n, seq.prompt_len) - seq.num_computed)
             seq.num_computed += n
-            self.cache.register(seq)
-        for seq in batch.decode:
-            seq.num_computed += 1
             self.cache.register(seq)
 
     def fork(self, parent: Sequence) -> list[Sequence]:
