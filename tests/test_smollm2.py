@@ -19,10 +19,12 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import json
+import os
 
 import pytest
 import torch
 import transformers
+from filelock import FileLock
 
 from cascadeinfer.engine import LLM, SamplingParams
 from cascadeinfer.engine.chat import load_chat_template
@@ -41,9 +43,17 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory):
-    """The converted model, written once per test run through the console command."""
-    out = tmp_path_factory.mktemp("smollm2") / "model"
-    assert main(["convert-smollm2", "--out", str(out)]) == 0
+    """The converted model, written once per test run through the console command.
+
+    Under pytest-xdist every worker has its own base directory inside the run's; the
+    model goes to the run's, and the first worker to take the lock converts it."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    out = root / "smollm2"
+    with FileLock(str(root / "smollm2.lock")):
+        if not (out / "config.json").is_file():
+            assert main(["convert-smollm2", "--out", str(out)]) == 0
     return out
 
 
