@@ -121,8 +121,8 @@ def _write_hf_dir(gguf_file: Path, out: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     options = {}
     if hasattr(transformers, "GgufConfig"):
-        # transformers 5 keeps GGUF blocks packed where it has a kernel for them; we want
-        # plain dense tensors. transformers 4 always dequantizes (and has no GgufConfig).
+        # transformers with GgufConfig (5.24 here) may keep GGUF blocks packed; we want
+        # plain dense tensors. Versions without it dequantize every weight on load.
         options["quantization_config"] = transformers.GgufConfig(dequantize=True)
     with torch.no_grad():
         gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, **options)
