@@ -458,11 +458,14 @@ def hf_run(mc: ModelConfig, dtype: torch.dtype, device: torch.device, setting: S
     model = None
     try:
         model = _hf_model(mc, dtype, device)
-        model.generate_batch(setting.warmup_prompts, **kwargs)  # sizes the manager, captures its graphs
-        _sync(device)
-        t0 = time.perf_counter()
-        out = model.generate_batch(setting.prompts, **kwargs)
-        _sync(device)
+        # Both calls in inference mode: the persistent manager's tensors are made in the
+        # first and reset in place by the second, which fails across the mode boundary.
+        with torch.inference_mode():
+            model.generate_batch(setting.warmup_prompts, **kwargs)  # sizes the manager, captures its graphs
+            _sync(device)
+            t0 = time.perf_counter()
+            out = model.generate_batch(setting.prompts, **kwargs)
+            _sync(device)
         wall = time.perf_counter() - t0
     except torch.OutOfMemoryError as exc:
         return {**row, "error": f"out of memory ({str(exc).splitlines()[0][:80]})"}
@@ -478,7 +481,7 @@ def hf_run(mc: ModelConfig, dtype: torch.dtype, device: torch.device, setting: S
             torch.cuda.empty_cache()
     lengths = [len(o.generated_tokens) for o in out.values() if o.error is None]
     if len(lengths) != len(setting.prompts) or any(n != new for n in lengths):
-        return {**row, "error": f"{len(lengths)} of {len(setting.prompts)} requests finished, "
+        return {**row, "error": f"generate_batch: {len(lengths)} of {len(setting.prompts)} requests finished, "
                                 f"{sum(lengths)} tokens instead of {new * len(setting.prompts)}"}
     return _end_to_end({**row, "output_tokens": sum(lengths), "wall_s": wall}, setting)
 

@@ -226,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    problem = _device_problem(args.device)
+    problem = _device_problem(getattr(args, "device", None))  # convert-smollm2 takes none
     if problem is not None:  # a usage error (exit code 2, like argparse's), not a traceback
         print(f"cascadeinfer {args.command}: error: {problem}", file=sys.stderr)
         return 2
