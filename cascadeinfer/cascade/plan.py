@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from cascadeinfer.cascade.cost import DeviceModel, LevelShape, predict_seconds, prefix_sm_fraction, side_stream_runs
+from cascadeinfer.layouts.indptr import check_monotone
 from cascadeinfer.layouts.page_table import check_page_table_values
 
 
@@ -54,11 +55,7 @@ def _check_qo_indptr(name: str, qo: torch.Tensor) -> None:
         raise ValueError(f"{name}: expected at least one entry (an indptr of n groups has n + 1)")
     if int(qo[0]) != 0:
         raise ValueError(f"{name}: expected the first entry to be 0, got {int(qo[0])}")
-    down = qo[1:] < qo[:-1]
-    if bool(down.any()):
-        i = int(down.nonzero()[0, 0])
-        raise ValueError(f"{name}: expected monotone non-decreasing entries, got "
-                         f"{name}[{i}] = {int(qo[i])} > {name}[{i + 1}] = {int(qo[i + 1])}")
+    check_monotone(name, qo)
 
 
 def host_levels(

@@ -89,6 +89,15 @@ def _check_indptr_values(name: str, values: list[int], total: int | None) -> Non
         raise ValueError(f"{name}: expected the last entry to be {total}, got {values[-1]}")
 
 
+def check_monotone(name: str, indptr: torch.Tensor) -> None:
+    """A host indptr tensor never decreases; raise ``ValueError`` naming the first drop."""
+    down = indptr[1:] < indptr[:-1]
+    if bool(down.any()):
+        i = int(down.nonzero()[0, 0])
+        raise ValueError(f"{name}: expected monotone non-decreasing entries, got "
+                         f"{name}[{i}] = {int(indptr[i])} > {name}[{i + 1}] = {int(indptr[i + 1])}")
+
+
 def indptr_from_lengths(
     lengths: IntVector,
     *,

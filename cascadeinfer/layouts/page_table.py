@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from cascadeinfer._checks import capturing, check_int32_vector, check_tensor
-from cascadeinfer.layouts.indptr import _as_int_list, _check_indptr_values
+from cascadeinfer.layouts.indptr import _as_int_list, check_monotone
 
 
 _INT32_MAX = 2**31 - 1
@@ -201,11 +201,7 @@ def check_page_table_values(
     first, total = int(kv_indptr[0]), int(kv_indptr[-1])
     if first < 0:
         raise ValueError(f"{ip_name}: expected a first entry >= 0, got {first}")
-    down = kv_indptr[1:] < kv_indptr[:-1]
-    if bool(down.any()):
-        i = int(down.nonzero()[0, 0])
-        raise ValueError(f"{ip_name}: expected monotone non-decreasing entries, got {ip_name}[{i}] = "
-                         f"{int(kv_indptr[i])} > {ip_name}[{i + 1}] = {int(kv_indptr[i + 1])}")
+    check_monotone(ip_name, kv_indptr)
     have = kv_indices.shape[0] if num_indices is None else num_indices
     if total > have:
         raise ValueError(f"{ix_name}: has {have} entries but {ip_name}[-1] is {total}")
