@@ -299,7 +299,8 @@ class MultiLevelCascadeAttention:
         Host cost: the first call of a signature (the shapes, strides, dtypes and
         alignment of ``q``, the cache, ``out`` and ``lse``, and ``sm_scale``) after
         :meth:`plan` checks them and records the kernel launches; later calls replay
-        them (:mod:`cascadeinfer.kernels.launch`): a few µs a kernel. The plan owns the
+        them (:mod:`cascadeinfer.kernels.launch`), paying little more than Triton's own
+        launcher per kernel (benchmarks/NOTES.md, "Host cost"). The plan owns the
         intermediate states, so runs of one plan must be ordered (one stream, or
         synchronised streams), as with one workspace buffer.
         """
