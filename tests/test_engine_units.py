@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cascadeinfer.engine.model_runner import _buckets, cascade_tables
+from cascadeinfer.cascade.grouping import group_levels
+from cascadeinfer.engine.model_runner import _buckets
 from cascadeinfer.engine.prefix_cache import PrefixCache
 from cascadeinfer.engine.sampling import SamplingParams, make_generator, sample, sample_seed
 from cascadeinfer.engine.sequence import Sequence
@@ -18,10 +20,17 @@ from cascadeinfer.layouts.pool import OutOfPagesError, PagedKVPool
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-# ---- cascade_tables ---------------------------------------------------------------------
+# ---- group_levels -----------------------------------------------------------------------
+
+
+def _lists(level):
+    """A level's tables as host lists (what the checks below read)."""
+    return SimpleNamespace(qo_indptr=level.qo_indptr.tolist(), kv_indptr=level.kv_indptr.tolist(),
+                           kv_indices=level.kv_indices.tolist(), kv_last_page_len=level.kv_last_page_len.tolist())
 
 
 def _check_tables(page_lists, last_lens, num_levels, page_size, order, levels):
+    levels = [_lists(lv) for lv in levels]
     n = len(page_lists)
     assert sorted(order) == list(range(n)) and len(levels) == num_levels
     rows_pages = [[] for _ in range(n)]
@@ -44,26 +53,26 @@ def _check_tables(page_lists, last_lens, num_levels, page_size, order, levels):
             assert any(a <= start and end <= b for a, b in zip(upper.qo_indptr[:-1], upper.qo_indptr[1:]))
 
 
-def test_cascade_tables_groups_shared_prefixes():
+def test_group_levels_groups_shared_prefixes():
     rows = {"A": [1, 2, 3, 4, 10], "B": [1, 2, 3, 5, 11], "C": [1, 2, 6, 12], "D": [7, 8, 13], "E": [20],
             "F": [1, 2, 3, 4, 14]}
     names = list(rows)
     pages = list(rows.values())
     lens = [3, 1, 4, 2, 4, 1]
-    order, levels = cascade_tables(pages, lens, 2, 4)
+    order, levels = group_levels(pages, lens, 2, 4)
     _check_tables(pages, lens, 2, 4, order, levels)
     assert [names[r] for r in order] == ["A", "F", "B", "C", "E", "D"]
-    assert levels[0].qo_indptr == [0, 4, 6] and levels[0].kv_indices == [1, 2]
-    order3, levels3 = cascade_tables(pages, lens, 3, 4)
+    assert _lists(levels[0]).qo_indptr == [0, 4, 6] and _lists(levels[0]).kv_indices == [1, 2]
+    order3, levels3 = group_levels(pages, lens, 3, 4)
     _check_tables(pages, lens, 3, 4, order3, levels3)
-    assert levels3[1].qo_indptr == [0, 3, 4, 6] and levels3[1].kv_indices == [3]
-    flat_order, flat = cascade_tables(pages, lens, 1, 4)
+    assert _lists(levels3[1]).qo_indptr == [0, 3, 4, 6] and _lists(levels3[1]).kv_indices == [3]
+    flat_order, flat = group_levels(pages, lens, 1, 4)
     _check_tables(pages, lens, 1, 4, flat_order, flat)
 
 
 @settings(max_examples=60, deadline=None)
 @given(st.data())
-def test_cascade_tables_property(data):
+def test_group_levels_property(data):
     # Requests share prefixes the way the engine makes them: a tree of page runs.
     page_size = data.draw(st.integers(1, 4))
     num_rows = data.draw(st.integers(1, 9))
@@ -79,7 +88,7 @@ def test_cascade_tables_property(data):
         page_lists.append(shared + [next(fresh)])  # the last page is always the row's own
     lens = [data.draw(st.integers(1, page_size)) for _ in range(num_rows)]
     num_levels = data.draw(st.integers(1, 4))
-    order, levels = cascade_tables(page_lists, lens, num_levels, page_size)
+    order, levels = group_levels(page_lists, lens, num_levels, page_size)
     _check_tables(page_lists, lens, num_levels, page_size, order, levels)
 
 

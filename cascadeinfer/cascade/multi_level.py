@@ -32,21 +32,34 @@ from cascadeinfer.kernels.decode import batch_decode_paged, pick_decode_schedule
 from cascadeinfer.kernels.launch import LaunchCache, Recording, call_key, recording
 from cascadeinfer.kernels.merge import merge_state
 from cascadeinfer.kernels.prefill import batch_prefill_paged, paged_num_splits
+from cascadeinfer.layouts.page_table import PageTable
 from cascadeinfer.layouts.paged_cache import cache_tensors, check_kv_layout, check_layout_fits, unpack_paged_kv_cache
 from cascadeinfer.ops import split_cache
 
 
 @dataclass(slots=True)
 class _DeviceLevel:
-    """One level's int32 metadata on the device; ``decode`` when every group has one query."""
+    """One level on the device: its query groups (int32), its page table (a device copy of
+    the validated host :class:`PageTable`) and the launch choices the plan made for it;
+    ``decode`` when every group has one query."""
 
     qo_indptr: torch.Tensor
-    kv_indptr: torch.Tensor
-    kv_indices: torch.Tensor
-    kv_last_page_len: torch.Tensor
+    table: PageTable
     decode: bool
     num_splits: int | None = None  # prefill levels: KV splits (None: the kernel's default)
     schedule: str | None = None  # decode levels: batch_decode_paged's schedule (None: from shapes)
+
+    @property
+    def kv_indptr(self) -> torch.Tensor:
+        return self.table.kv_indptr
+
+    @property
+    def kv_indices(self) -> torch.Tensor:
+        return self.table.kv_indices
+
+    @property
+    def kv_last_page_len(self) -> torch.Tensor:
+        return self.table.kv_last_page_len
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return self.qo_indptr, self.kv_indptr, self.kv_indices, self.kv_last_page_len
@@ -70,7 +83,9 @@ def _upload(levels: list[HostLevel], device: torch.device, old: list[_DeviceLeve
         return old, packed
     packed = flat.to(device)
     views = list(torch.split(packed, sizes))
-    return [_DeviceLevel(*views[4 * i:4 * i + 4], decode=d) for i, d in enumerate(decode)], packed
+    return [_DeviceLevel(views[4 * i], PageTable.trusted(*views[4 * i + 1:4 * i + 4], lv.table.page_size,
+                                                         lv.table.num_pages), decode=d)
+            for i, (lv, d) in enumerate(zip(levels, decode))], packed
 
 
 class MultiLevelCascadeAttention:

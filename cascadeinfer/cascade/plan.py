@@ -16,26 +16,56 @@ import torch
 
 from cascadeinfer.cascade.cost import DeviceModel, LevelShape, predict_seconds, prefix_sm_fraction, side_stream_runs
 from cascadeinfer.layouts.indptr import check_monotone
-from cascadeinfer.layouts.page_table import check_page_table_values
+from cascadeinfer.layouts.page_table import PageTable, check_page_table_values
 
 
 @dataclass(frozen=True, slots=True)
 class HostLevel:
-    """One level's metadata on the host (int64 CPU tensors), validated."""
+    """One cascade level on the host: its query groups and their page table.
+
+    ``qo_indptr`` int64 ``[groups + 1]`` cuts the query tokens into groups; ``table`` is
+    the groups' :class:`~cascadeinfer.layouts.page_table.PageTable` (host, int32, passed the
+    library's page-table rule); ``parent[g]`` is the group of the level above holding group
+    ``g`` (None for the top level, or before :func:`host_levels` has nested the levels).
+    """
 
     qo_indptr: torch.Tensor  # [groups + 1]
-    kv_indptr: torch.Tensor  # [groups + 1]
-    kv_indices: torch.Tensor  # [kv_indptr[-1]]
-    kv_last_page_len: torch.Tensor  # [groups]
-    parent: torch.Tensor | None = None  # [groups]: the group of the level above holding each group
+    table: PageTable
+    parent: torch.Tensor | None = None  # [groups]
+
+    @classmethod
+    def from_lists(cls, qo_indptr: list[int], kv_indptr: list[int], kv_indices: list[int],
+                   kv_last_page_len: list[int], page_size: int) -> HostLevel:
+        """A level from host lists that satisfy the page-table rule by construction
+        (e.g. :func:`~cascadeinfer.cascade.grouping.group_levels`'); no second check."""
+        i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+        return cls(torch.tensor(qo_indptr, dtype=torch.int64),
+                   PageTable.trusted(i32(kv_indptr), i32(kv_indices), i32(kv_last_page_len), page_size))
 
     @property
     def num_groups(self) -> int:
         return self.qo_indptr.numel() - 1
 
+    @property
+    def kv_indptr(self) -> torch.Tensor:
+        return self.table.kv_indptr
+
+    @property
+    def kv_indices(self) -> torch.Tensor:
+        return self.table.kv_indices
+
+    @property
+    def kv_last_page_len(self) -> torch.Tensor:
+        return self.table.kv_last_page_len
+
     def kv_lens(self, page_size: int) -> torch.Tensor:
-        pages = self.kv_indptr[1:] - self.kv_indptr[:-1]
-        return torch.where(pages > 0, (pages - 1) * page_size + self.kv_last_page_len, 0)
+        """Keys per group, int64."""
+        pages = (self.kv_indptr[1:] - self.kv_indptr[:-1]).long()
+        return torch.where(pages > 0, (pages - 1) * page_size + self.kv_last_page_len.long(), 0)
+
+    def kv_tokens(self, page_size: int) -> int:
+        """Keys this level reads (each group's pages once)."""
+        return int(self.kv_lens(page_size).sum())
 
 
 def _to_host(name: str, t: object) -> torch.Tensor:
@@ -95,7 +125,9 @@ def host_levels(
         # The plan keeps its own copy of the used entries, counted from 0 (the rule lets
         # kv_indices run past kv_indptr[-1] and kv_indptr start past 0).
         first = int(kp[0])
-        levels.append(HostLevel(qo, kp - first, ki[first:int(kp[-1])], kl))
+        i32 = torch.int32
+        levels.append(HostLevel(qo, PageTable.trusted((kp - first).to(i32), ki[first:int(kp[-1])].to(i32), kl.to(i32),
+                                                      page_size, num_pages)))
     for lv in range(1, num_levels):
         levels[lv] = replace(levels[lv], parent=parent_of(levels[lv - 1], levels[lv], lv))
     return levels
@@ -162,10 +194,12 @@ def flat_page_table(levels: list[HostLevel], page_size: int) -> HostLevel | None
             last_len = int(level.kv_last_page_len[a])
         rows.append(pages)
         last_lens.append(last_len)
-    indptr = torch.zeros(len(rows) + 1, dtype=torch.int64)
-    indptr[1:] = torch.tensor([len(r) for r in rows], dtype=torch.int64).cumsum(0)
-    indices = torch.tensor([p for r in rows for p in r], dtype=torch.int64)
-    return HostLevel(last.qo_indptr, indptr, indices, torch.tensor(last_lens, dtype=torch.int64))
+    indptr = torch.zeros(len(rows) + 1, dtype=torch.int32)
+    indptr[1:] = torch.tensor([len(r) for r in rows], dtype=torch.int32).cumsum(0)
+    indices = torch.tensor([p for r in rows for p in r], dtype=torch.int32)
+    table = PageTable.trusted(indptr, indices, torch.tensor(last_lens, dtype=torch.int32), page_size,
+                              last.table.num_pages)
+    return HostLevel(last.qo_indptr, table)
 
 
 def choose_cascade(

@@ -29,6 +29,7 @@ import torch
 
 from cascadeinfer._checks import next_power_of_2
 from cascadeinfer.cascade.multi_level import MultiLevelCascadeAttention
+from cascadeinfer.cascade.grouping import group_levels
 from cascadeinfer.cascade.plan import HostLevel, choose_cascade
 from cascadeinfer.engine.config import EngineConfig
 from cascadeinfer.engine.llama import LlamaForCausalLM
@@ -39,93 +40,6 @@ from cascadeinfer.kernels.decode import batch_decode_paged
 from cascadeinfer.kernels.merge import merge_state
 from cascadeinfer.kernels.prefill import batch_prefill_paged, batch_prefill_ragged
 from cascadeinfer.layouts.pool import PagedKVPool
-
-
-# ---- grouping decode sequences into cascade levels ----------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class LevelTable:
-    """One cascade level on the host: groups of consecutive queries and their pages."""
-
-    qo_indptr: list[int]
-    kv_indptr: list[int]
-    kv_indices: list[int]
-    kv_last_page_len: list[int]
-
-    def kv_tokens(self, page_size: int) -> int:
-        """Keys this level reads (each group's pages once)."""
-        pages = [b - a for a, b in zip(self.kv_indptr[:-1], self.kv_indptr[1:])]
-        return sum((p - 1) * page_size + last for p, last in zip(pages, self.kv_last_page_len) if p)
-
-    def host_level(self) -> HostLevel:
-        as_t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
-        return HostLevel(as_t(self.qo_indptr), as_t(self.kv_indptr), as_t(self.kv_indices),
-                         as_t(self.kv_last_page_len))
-
-
-def cascade_tables(
-    page_lists: list[list[int]], last_page_lens: list[int], num_levels: int, page_size: int
-) -> tuple[list[int], list[LevelTable]]:
-    """Order decode rows so that rows sharing pages are adjacent, and cut them into levels.
-
-    ``page_lists[r]`` are row ``r``'s pages in order (its last page is its own: it is being
-    written); ``last_page_lens[r]`` the tokens in that page. Returns ``(order, levels)``:
-    ``order[i]`` is the row that becomes query ``i``; ``levels`` has ``num_levels`` tables.
-    Level ``l < num_levels - 1`` has a group per set of adjacent rows that share a run of
-    pages beyond the levels above (their longest common prefix), plus one group without
-    pages collecting the rows that share nothing more; the last level has one group per
-    row with its remaining pages. Only full pages ever sit above the last level.
-    """
-    shareable = [pages[:-1] for pages in page_lists]
-    upper: list[list[tuple[int, list[int]]]] = [[] for _ in range(num_levels - 1)]
-    order: list[int] = []
-    offset_of: dict[int, int] = {}
-
-    def split(rows: list[int], offset: int, level: int) -> None:
-        if level == num_levels - 1:
-            order.extend(rows)
-            offset_of.update((r, offset) for r in rows)
-            return
-        runs: list[list[int]] = []  # adjacent rows with the same page at `offset`
-        for r in rows:
-            if runs and len(shareable[r]) > offset and len(shareable[runs[-1][0]]) > offset \
-                    and shareable[r][offset] == shareable[runs[-1][0]][offset]:
-                runs[-1].append(r)
-            else:
-                runs.append([r])
-        rest = []
-        for run in runs:
-            if len(run) == 1:
-                rest.extend(run)
-                continue
-            first, last = shareable[run[0]], shareable[run[-1]]  # sorted: their LCP is the run's
-            lcp = offset
-            while lcp < min(len(first), len(last)) and first[lcp] == last[lcp]:
-                lcp += 1
-            upper[level].append((len(run), first[offset:lcp]))
-            split(run, lcp, level + 1)
-        if rest:
-            upper[level].append((len(rest), []))
-            split(rest, offset, level + 1)
-
-    split(sorted(range(len(page_lists)), key=lambda r: shareable[r]), 0, 0)
-
-    levels = []
-    for groups in upper:
-        qo, kv, idx, last = [0], [0], [], []
-        for size, pages in groups:
-            qo.append(qo[-1] + size)
-            idx.extend(pages)
-            kv.append(len(idx))
-            last.append(page_size if pages else 0)
-        levels.append(LevelTable(qo, kv, idx, last))
-    kv, idx = [0], []
-    for r in order:
-        idx.extend(page_lists[r][offset_of[r]:])
-        kv.append(len(idx))
-    levels.append(LevelTable(list(range(len(order) + 1)), kv, idx, [last_page_lens[r] for r in order]))
-    return order, levels
 
 
 # ---- the attention of one step --------------------------------------------------------
@@ -206,27 +120,27 @@ class ModelRunner:
         self.page_size = pool.page_size
         self.graphs = DecodeGraphs(self) if config.use_graphs else None
 
-    def _plan_decode(self, levels: list[LevelTable]) -> MultiLevelCascadeAttention:
+    def _plan_decode(self, levels: list[HostLevel]) -> MultiLevelCascadeAttention:
         mc = self.model.config
         attn = MultiLevelCascadeAttention(len(levels), kv_layout=self.config.kv_layout, device=self.config.device)
-        as_t = lambda name: [_host_tensor(getattr(lv, name), torch.int32) for lv in levels]  # noqa: E731
-        attn.plan(as_t("qo_indptr"), as_t("kv_indptr"), as_t("kv_indices"), as_t("kv_last_page_len"),
+        tables = [[getattr(lv, name) for lv in levels] for name in ("qo_indptr", "kv_indptr", "kv_indices",
+                                                                   "kv_last_page_len")]
+        attn.plan(*tables,
                   mc.num_qo_heads, mc.num_kv_heads, mc.head_dim, self.page_size, causal=False,
                   sm_scale=self.sm_scale, num_pages=self.pool.num_pages, dtype=self.pool.dtype,
                   use_cascade=self.config.use_cascade if len(levels) > 1 else None)
         return attn
 
-    def choose_cascade(self, levels: list[LevelTable]) -> bool:
+    def choose_cascade(self, levels: list[HostLevel]) -> bool:
         """The planner's choice for these levels (the config's override, if any, wins)."""
         if len(levels) == 1:
             return False
         if self.config.use_cascade is not None:
             return self.config.use_cascade
         mc = self.model.config
-        hosts = [lv.host_level() for lv in levels]
         # Flat decode is always possible here (levels above the last hold full pages only).
         cascade, _, _, _ = choose_cascade(
-            hosts, page_size=self.page_size,
+            levels, page_size=self.page_size,
             num_qo_heads=mc.num_qo_heads, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
             elem_bytes=self.pool.cache.element_size(), device=self.config.device)
         return cascade
@@ -237,10 +151,10 @@ class ModelRunner:
         float32 logits ``[rows, vocab]``, and the step's statistics. Reads nothing back."""
         ps = self.page_size
         device = self.config.device
-        decode_levels: list[LevelTable] = []
+        decode_levels: list[HostLevel] = []
         decode = batch.decode
         if decode:
-            order, decode_levels = cascade_tables(
+            order, decode_levels = group_levels(
                 [s.pages for s in decode], [s.num_tokens - (len(s.pages) - 1) * ps for s in decode],
                 self.config.cascade_levels, ps)
             decode = [decode[r] for r in order]
@@ -289,24 +203,24 @@ class ModelRunner:
         cascade = decode_attn.use_cascade if decode_attn is not None else None
         return sample_seqs, logits, self._stats(num_prefill_tokens, decode_levels, cascade, False)
 
-    def _stats(self, num_prefill_tokens: int, levels: list[LevelTable], cascade: bool | None,
+    def _stats(self, num_prefill_tokens: int, levels: list[HostLevel], cascade: bool | None,
                graph: bool) -> StepStats:
         if not levels:
             return StepStats(num_prefill_tokens, 0, None, graph, 0)
         ps = self.page_size
-        num_decode = len(levels[-1].qo_indptr) - 1
+        num_decode = levels[-1].num_groups
         once, attended = sum(lv.kv_tokens(ps) for lv in levels), _flat_kv_tokens(levels, ps)
         return StepStats(num_prefill_tokens, num_decode, cascade, graph, once if cascade else attended,
                          kv_tokens_attended=attended, kv_tokens_shared_once=once)
 
 
-def _flat_kv_tokens(levels: list[LevelTable], page_size: int) -> int:
+def _flat_kv_tokens(levels: list[HostLevel], page_size: int) -> int:
     """Keys flat decode reads: every row its whole sequence (shared pages once per row)."""
     total = levels[-1].kv_tokens(page_size)
-    for lv in levels[:-1]:
-        for g in range(len(lv.qo_indptr) - 1):
-            pages = lv.kv_indptr[g + 1] - lv.kv_indptr[g]
-            total += (lv.qo_indptr[g + 1] - lv.qo_indptr[g]) * pages * page_size
+    for lv in levels[:-1]:  # full pages only above the last level
+        queries = lv.qo_indptr[1:] - lv.qo_indptr[:-1]
+        pages = (lv.kv_indptr[1:] - lv.kv_indptr[:-1]).long()
+        total += int((queries * pages).sum()) * page_size
     return total
 
 
@@ -366,7 +280,7 @@ class DecodeGraphs:
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
-    def _fill(self, batch: int, seqs: list[Sequence], levels: list[LevelTable], groups: int) -> None:
+    def _fill(self, batch: int, seqs: list[Sequence], levels: list[HostLevel], groups: int) -> None:
         """Write the step's metadata into the buffers, padded to ``batch`` rows and ``groups``.
 
         Flat mode (``levels`` empty) fills the flat table (every row's pages). Cascade mode
@@ -398,7 +312,7 @@ class DecodeGraphs:
             put(self.flat_last, last + [0] * pad)
             return
         top, own = levels
-        qo, kv, last = list(top.qo_indptr), list(top.kv_indptr), list(top.kv_last_page_len)
+        qo, kv, last = top.qo_indptr.tolist(), top.kv_indptr.tolist(), top.kv_last_page_len.tolist()
         if pad:  # one more group: the padding rows, without pages
             qo.append(batch)
             kv.append(kv[-1])
@@ -406,14 +320,15 @@ class DecodeGraphs:
         empty = groups + 1 - len(qo)
         put(self.l0_qo, qo + [batch] * empty)
         put(self.l0_indptr, kv + [kv[-1]] * empty)
-        put(self.l0_indices, top.kv_indices)
+        put(self.l0_indices, top.kv_indices.tolist())
         put(self.l0_last, last + [0] * empty)
-        own_pages = [b - a for a, b in zip(own.kv_indptr[:-1], own.kv_indptr[1:])]
+        own_indptr = own.kv_indptr.tolist()
+        own_pages = [b - a for a, b in zip(own_indptr[:-1], own_indptr[1:])]
         put(self.append_positions, [pos - (len(s.pages) - k) * ps for pos, s, k in zip(positions, seqs, own_pages)]
             + [0] * pad)
-        put(self.l1_indptr, own.kv_indptr + [own.kv_indptr[-1]] * pad)
-        put(self.l1_indices, own.kv_indices)
-        put(self.l1_last, own.kv_last_page_len + [0] * pad)
+        put(self.l1_indptr, own_indptr + [own_indptr[-1]] * pad)
+        put(self.l1_indices, own.kv_indices.tolist())
+        put(self.l1_last, own.kv_last_page_len.tolist() + [0] * pad)
 
     def _attention(self, batch: int, cascade: bool, groups: int):
         pool, layout, scale = self.pool, self.kv_layout, self.sm_scale
@@ -442,7 +357,7 @@ class DecodeGraphs:
         return self.model(self.input_ids[:batch], self.positions[:batch], attention, None)
 
     def _capture(self, batch: int, cascade: bool, groups: int) -> torch.cuda.CUDAGraph:
-        empty = LevelTable([0], [0], [], [])
+        empty = HostLevel.from_lists([0], [0], [], [], self.page_size)
         self._fill(batch, [], [empty, empty] if cascade else [], groups)
 
         def forward() -> None:
@@ -458,12 +373,12 @@ class DecodeGraphs:
             forward()
         return graph
 
-    def run(self, seqs: list[Sequence], levels: list[LevelTable], cascade: bool) -> torch.Tensor:
+    def run(self, seqs: list[Sequence], levels: list[HostLevel], cascade: bool) -> torch.Tensor:
         """Replay (capturing first if new) the step for ``seqs``; float32 logits ``[n, vocab]``."""
         batch = self.bucket(len(seqs))
         groups = 1  # level-0 groups, padding rows' group included, rounded up to a power of 2
         if cascade:
-            groups = min(batch, next_power_of_2(len(levels[0].qo_indptr) - 1 + (batch > len(seqs))))
+            groups = min(batch, next_power_of_2(levels[0].num_groups + (batch > len(seqs))))
         if not self.capture:
             self._fill(batch, seqs, levels if cascade else [], groups)
             return self._forward(batch, cascade, groups)[:len(seqs)]

@@ -301,6 +301,24 @@ class PageTable:
 
         return cls(as_tensor(indptr), as_tensor(indices), as_tensor(last), page_size, num_pages)
 
+    @classmethod
+    def trusted(cls, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor,
+                page_size: int, num_pages: int | None = None) -> PageTable:
+        """A table whose tensors have just passed :func:`check_page_table_values` (e.g. with
+        a caller's own argument names), or a device copy of a validated table: built
+        without a second host pass over the same values."""
+        table = object.__new__(cls)
+        for name, value in (("kv_indptr", kv_indptr), ("kv_indices", kv_indices),
+                            ("kv_last_page_len", kv_last_page_len), ("page_size", page_size),
+                            ("num_pages", num_pages)):
+            object.__setattr__(table, name, value)
+        return table
+
+    def to(self, device: torch.device | str) -> PageTable:
+        """The same table on ``device`` (its values are the validated ones)."""
+        return PageTable.trusted(*(t.to(device) for t in (self.kv_indptr, self.kv_indices, self.kv_last_page_len)),
+                                 self.page_size, self.num_pages)
+
     @property
     def num_rows(self) -> int:
         return self.kv_indptr.shape[0] - 1
