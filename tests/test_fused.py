@@ -249,3 +249,48 @@ def test_bad_inputs_are_named(device):
             fn()
     assert torch.equal(before[0], x) and torch.equal(before[1], q) and torch.equal(before[2], k)
 
+
+# ---- the decoder, fused and op by op ------------------------------------------------------
+
+
+def _causal_attention(layer, q, k, v):
+    """Plain causal attention over the step's tokens (one sequence), for the model tests."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    s = torch.einsum("thd,shd->hts", q.float(), k.float()) * q.shape[-1] ** -0.5
+    s = s.masked_fill(torch.ones_like(s[0], dtype=torch.bool).triu(1), -math.inf)
+    return torch.einsum("hts,shd->thd", s.softmax(-1), v.float()).to(q.dtype).contiguous()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("plain_cpu", [False, True])
+def test_decoder_fused_equals_op_by_op(dtype, plain_cpu, device, monkeypatch):
+    from cascadeinfer.engine.llama import LlamaForCausalLM  # noqa: PLC0415
+    from cascadeinfer.engine.model_loader import ModelConfig  # noqa: PLC0415
+
+    if plain_cpu:
+        if device.type != "cpu":
+            pytest.skip("the plain-CPU path is a CPU path")
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+    config = ModelConfig(model_type="qwen2", vocab_size=64, hidden_size=96, intermediate_size=160, num_layers=2,
+                         num_qo_heads=6, num_kv_heads=2, head_dim=16, qkv_bias=True)
+    model = LlamaForCausalLM(config, dtype=dtype, device=device, max_positions=32)
+    assert model.fused == (not plain_cpu)
+    model.init_random_(seed=3, std=0.2)
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.qkv_bias.normal_(0.0, 0.3)
+    ids = torch.randint(0, 64, (9,), generator=_gen("ids")).to(device)
+    positions = torch.arange(9, device=device)
+    index = torch.tensor([8, 3], device=device)
+    with torch.inference_mode():
+        model.fused = True
+        fused = model(ids, positions, _causal_attention, index)
+        model.fused = False
+        plain = model(ids, positions, _causal_attention, index)
+    # Same roundings on both paths; what differs (rsqrt, exp, the order of a sum) moves
+    # an activation by a unit in the last place now and then, and the layers carry it on.
+    tol = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 1.5e-1}[dtype]
+    torch.testing.assert_close(fused, plain, rtol=tol, atol=tol)
+    with pytest.raises(TypeError, match="fused"):
+        LlamaForCausalLM(config, dtype=dtype, device=device, fused="yes")
