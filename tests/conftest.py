@@ -9,6 +9,9 @@ are patched here, in test set-up only, so the kernel code stays identical on bot
    ``int()`` on a 1-element array. We read the single element explicitly.
 2. bf16 is stored as raw uint16, so a bf16 ``tl.dot`` multiplies the bit patterns.
    We convert bf16 dot operands to float32 first (exact).
+3. ``.to(tl.bfloat16)`` of float32 truncates the mantissa; the GPU (and PyTorch) round to
+   nearest even. Kernels that reproduce a reference's intermediate roundings (the fused
+   elementwise ops) would be a unit in the last place off. We round as the GPU does.
 """
 
 from __future__ import annotations
@@ -52,6 +55,17 @@ def _patch_interpreter() -> None:
         return original_dot(self, as_fp32(a), as_fp32(b), d, input_precision, max_num_imprecise_acc)
 
     interpreter.InterpreterBuilder.create_dot = create_dot
+
+    original_cast = interpreter.InterpreterBuilder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            f32 = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32))
+            bits = f32.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+            return interpreter.TensorHandle(bits.reshape(np.shape(src.data)), tl.bfloat16)
+        return original_cast(self, src, dst_type)
+
+    interpreter.InterpreterBuilder.cast_impl = cast_impl
 
 
 if os.environ.get("TRITON_INTERPRET") == "1":

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from cascadeinfer.cascade.grouping import group_levels
 from cascadeinfer.engine.model_runner import _buckets
 from cascadeinfer.engine.prefix_cache import PrefixCache
-from cascadeinfer.engine.sampling import SamplingParams, make_generator, sample, sample_seed
+from cascadeinfer.engine.sampling import SamplingParams, sample, sample_seed, sample_uniforms
 from cascadeinfer.engine.sequence import Sequence
 from cascadeinfer.layouts.pool import OutOfPagesError, PagedKVPool
 
@@ -191,37 +191,65 @@ def test_sampler_follows_the_distribution():
     vocab, rows = 6, 4000
     logits = torch.randn(vocab).repeat(rows, 1)
     p = SamplingParams(temperature=0.7)
-    gens = [make_generator(sample_seed(5, r), torch.device("cpu")) for r in range(rows)]
-    tokens = sample(logits, [p] * rows, gens)
+    tokens = sample(logits, [p] * rows, [sample_seed(5, r) for r in range(rows)], [0] * rows)
     freq = torch.bincount(tokens, minlength=vocab).double() / rows
     want = torch.softmax(logits[0].double() / 0.7, -1)
+    assert (freq - want).abs().max() < 0.03
+    # one row over its steps follows it too
+    steps = sample(logits, [p] * rows, [5] * rows, list(range(rows)))
+    freq = torch.bincount(steps, minlength=vocab).double() / rows
     assert (freq - want).abs().max() < 0.03
 
 
 def test_sampler_top_k_top_p_and_greedy_rows():
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]]).repeat(400, 1)
-    gens = [make_generator(r, torch.device("cpu")) for r in range(400)]
-    top_k = sample(logits, [SamplingParams(temperature=5.0, top_k=2)] * 400, gens)
+    seeds, steps = list(range(400)), [0] * 400
+    top_k = sample(logits, [SamplingParams(temperature=5.0, top_k=2)] * 400, seeds, steps)
     assert set(top_k.tolist()) == {0, 1}
     probs = torch.softmax(logits[0], -1)
-    top_p = sample(logits, [SamplingParams(temperature=1.0, top_p=float(probs[0] + 0.01))] * 400, gens)
+    top_p = sample(logits, [SamplingParams(temperature=1.0, top_p=float(probs[0] + 0.01))] * 400, seeds, steps)
     assert set(top_p.tolist()) == {0, 1}
     mixed = [SamplingParams(temperature=0.0), SamplingParams(temperature=100.0)]
-    out = sample(logits[:2], mixed, [None, gens[0]])
+    out = sample(logits[:2], mixed, [None, 0], [0, 0])
     assert out[0] == 0
-    with pytest.raises(ValueError, match="generator"):
-        sample(logits[:1], [SamplingParams(temperature=1.0)], [None])
+    # per-row parameters in one batch: greedy, top-k 1, a nucleus of one token, free rows
+    mixed = [SamplingParams(temperature=0.0), SamplingParams(temperature=3.0, top_k=1),
+             SamplingParams(temperature=1.0, top_p=0.1), SamplingParams(temperature=50.0)] * 100
+    out = sample(logits, mixed, seeds, steps).view(100, 4)
+    assert (out[:, :3] == 0).all() and len(set(out[:, 3].tolist())) == 5
+    with pytest.raises(ValueError, match="seeds: row 0"):
+        sample(logits[:1], [SamplingParams(temperature=1.0)], [None], [0])
+    with pytest.raises(ValueError, match="params, seeds, steps"):
+        sample(logits[:2], [SamplingParams()] * 2, [1], [0, 0])
+
+
+def test_sampler_never_picks_a_masked_token():
+    """Zero-probability tokens span empty intervals of the CDF, at any u (0 and 1 - 2**-53)."""
+    import cascadeinfer.engine.sampling as sampling  # noqa: PLC0415
+
+    logits = torch.tensor([[-math.inf, 1.0, -math.inf, 1.0, -math.inf]] * 2)
+    probs = logits.softmax(-1)
+    got = sampling._inverse_cdf(probs, torch.tensor([0.0, 1.0 - 2.0**-53], dtype=torch.float64))
+    assert got.tolist() == [1, 3]
 
 
 def test_seeds_are_reproducible_and_distinct():
     logits = torch.randn(3, 50)
     params = [SamplingParams(temperature=1.0)] * 3
-    draw = lambda seed: sample(logits, params, [make_generator(sample_seed(seed, i), torch.device("cpu"))  # noqa: E731
-                                                for i in range(3)]).tolist()
+    draw = lambda seed: sample(logits, params, [sample_seed(seed, i) for i in range(3)], [0] * 3).tolist()  # noqa: E731
     assert draw(7) == draw(7)
     assert sample_seed(7, 0) == 7 and sample_seed(7, 1) != 8
     assert any(draw(7) != draw(s) for s in range(8, 12))
     assert math.isfinite(float(sample_seed(2**63 - 1, 3)))
+    # a row's draw depends on its own seed and step only, not on its neighbours
+    u = sample_uniforms([7, 8, 2**63 - 1], [0, 5, 10**9])
+    assert torch.equal(u[1:2], sample_uniforms([8], [5])) and ((u >= 0) & (u < 1)).all()
+    # the samples of one request are not shifted copies of one stream
+    a = sample_uniforms([sample_seed(7, 1)] * 8, range(8))
+    b = sample_uniforms([sample_seed(7, 0)] * 9, range(9))
+    assert not torch.equal(a, b[1:])
+    many = sample_uniforms(list(range(20000)), [3] * 20000)
+    assert abs(float(many.mean()) - 0.5) < 0.01 and len(set(many.tolist())) == 20000
 
 
 # ---- scheduler ---------------------------------------------------------------------------

@@ -16,6 +16,12 @@ Hugging Face's implementation, so that both give the same numbers.
 
 q/k/v and gate/up projections are fused into one weight each; loading a checkpoint
 copies the Hugging Face tensors into their slices.
+
+The elementwise work runs one of two ways, chosen by ``fused`` (same numbers either way):
+the fused kernels of :mod:`cascadeinfer.kernels.fused` (the residual add folded into the
+next RMSNorm, RoPE in place on the q/k views of the qkv output, SiLU-and-mul in one pass),
+or the modules below, written op by op like Hugging Face's. Layers pass the residual
+stream beside their output (``x, residual``) so that the add can live in the next norm.
 """
 
 from __future__ import annotations
@@ -28,7 +34,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cascadeinfer._checks import use_triton
 from cascadeinfer.engine.model_loader import ModelConfig, ModelLoadError, iter_checkpoint_tensors
+from cascadeinfer.kernels.fused import apply_rope, fused_add_rms_norm, rms_norm, silu_and_mul
 
 # attention(layer_index, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> o [T, Hq, D]
 Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -56,21 +64,27 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for positions ``[0, max_positions)``, in the model dtype."""
+    """cos/sin of positions ``[0, max_positions)`` in the model dtype (HF rounds them so).
+
+    One table ``cos_sin [max_positions, head_dim]``: the cos of the ``head_dim / 2``
+    frequencies, then their sin (the layout :func:`apply_rope` reads).
+    """
 
     def __init__(self, config: ModelConfig, max_positions: int, *, dtype: torch.dtype, device: torch.device):
         super().__init__()
         inv_freq = rope_inv_freq(config).to(device)
         freqs = torch.arange(max_positions, device=device).float()[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
-        self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
-        self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
+        self.register_buffer("cos_sin", torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` by their tokens' positions ``[T]``."""
-        cos = self.cos.index_select(0, positions)[:, None, :]
-        sin = self.sin.index_select(0, positions)[:, None, :]
+        """Rotated copies of ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` (positions ``[T]``), op by op."""
+        cos, sin = self.cos_sin.index_select(0, positions)[:, None, :].chunk(2, dim=-1)
+        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)  # HF's cat(freqs, freqs)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+    def rotate_(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
+        """The same rotation in place, one kernel for q and k (strided views are fine)."""
+        apply_rope(q, k, positions, self.cos_sin)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -89,6 +103,20 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(residual + x), residual + x)``; with no residual yet, ``(norm(x), x)``.
+
+        Fused, the sum and the norm are written over ``residual`` and ``x`` in one pass;
+        both must be tensors this model owns (fresh outputs of its own ops).
+        """
+        if residual is None:
+            return (rms_norm(x, self.weight, self.eps) if fused else self(x)), x
+        if fused:
+            fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return x, residual
+        residual = residual + x
+        return self(residual), residual
 
 
 def _weight(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -119,36 +147,52 @@ class DecoderLayer(nn.Module):
         self.down_proj = _weight(h, config.intermediate_size, dtype, device)
         self.down_bias = _bias(h, config.mlp_bias, dtype, device)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, attention: Attention) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                rotary: RotaryEmbedding, attention: Attention, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mlp_out, residual)``: the layer's output is their sum, which the next norm
+        forms. ``residual`` is None for the first layer (``x`` is then the embedding)."""
         tokens = x.shape[0]
         hq, hkv, d = self.num_qo_heads, self.num_kv_heads, self.head_dim
-        residual = x
-        h = self.input_layernorm(x)
+        h, residual = self.input_layernorm.add_norm(x, residual, fused)
         qkv = F.linear(h, self.qkv_proj, self.qkv_bias)
         q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-        q, k = rotary(positions, q.view(tokens, hq, d), k.view(tokens, hkv, d))
-        o = attention(self.index, q, k, v.view(tokens, hkv, d))
+        q, k, v = q.view(tokens, hq, d), k.view(tokens, hkv, d), v.view(tokens, hkv, d)
+        if fused:
+            rotary.rotate_(positions, q, k)
+        else:
+            q, k = rotary(positions, q, k)
+        o = attention(self.index, q, k, v)
         h = F.linear(o.view(tokens, hq * d), self.o_proj, self.o_bias)
-        x = residual + h
-        residual = x
-        h = self.post_attention_layernorm(x)
-        gate, up = F.linear(h, self.gate_up_proj, self.gate_up_bias).chunk(2, dim=-1)
-        h = F.linear(F.silu(gate) * up, self.down_proj, self.down_bias)
-        return residual + h
+        h, residual = self.post_attention_layernorm.add_norm(h, residual, fused)
+        gate_up = F.linear(h, self.gate_up_proj, self.gate_up_bias)
+        if fused:
+            h = silu_and_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        return F.linear(h, self.down_proj, self.down_bias), residual
 
 
 class LlamaForCausalLM(nn.Module):
     """The decoder with weights in ``dtype`` on ``device`` (uninitialised until loaded).
 
     ``max_positions`` bounds the RoPE table (the engine passes its context length).
+    ``fused`` runs the elementwise work through the fused kernels; None (the default)
+    chooses them where Triton runs (CUDA, or the interpreter) and the op-by-op modules
+    on a plain CPU, where the kernels' PyTorch path would only add float32 round trips.
+    Both give the same numbers (the kernels reproduce the modules' roundings); the
+    attribute may be switched later.
     """
 
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device | str,
-                 max_positions: int | None = None):
+                 max_positions: int | None = None, fused: bool | None = None):
         super().__init__()
         device = torch.device(device)
         self.config = config
         self.dtype = dtype
+        if fused is not None and not isinstance(fused, bool):
+            raise TypeError(f"fused: expected a bool or None, got {type(fused).__name__}")
+        self.fused = use_triton(device) if fused is None else fused
         h, vocab = config.hidden_size, config.vocab_size
         self.embed_tokens = _weight(vocab, h, dtype, device)
         self.layers = nn.ModuleList(DecoderLayer(config, i, dtype=dtype, device=device) for i in range(config.num_layers))
@@ -173,11 +217,13 @@ class LlamaForCausalLM(nn.Module):
         per layer (see :data:`Attention`).
         """
         x = F.embedding(input_ids, self.embed_tokens)
+        residual = None
         for layer in self.layers:
-            x = layer(x, positions, self.rotary, attention)
+            x, residual = layer(x, residual, positions, self.rotary, attention, self.fused)
         if logits_index is not None:
             x = x.index_select(0, logits_index)
-        x = self.norm(x)
+            residual = None if residual is None else residual.index_select(0, logits_index)
+        x, _ = self.norm.add_norm(x, residual, self.fused)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         return F.linear(x, head).float()
 

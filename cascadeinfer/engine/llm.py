@@ -21,7 +21,7 @@ from cascadeinfer.engine.llama import LlamaForCausalLM
 from cascadeinfer.engine.model_loader import ModelConfig, load_tokenizer, parse_dtype
 from cascadeinfer.engine.model_runner import ModelRunner, StepStats
 from cascadeinfer.engine.prefix_cache import PrefixCache
-from cascadeinfer.engine.sampling import SamplingParams, make_generator, sample, sample_seed
+from cascadeinfer.engine.sampling import SamplingParams, sample, sample_seed
 from cascadeinfer.engine.scheduler import Scheduler
 from cascadeinfer.engine.sequence import Sequence
 from cascadeinfer.layouts.pool import PagedKVPool
@@ -251,8 +251,8 @@ class LLM:
         seed = params.seed if params.seed is not None else sample_seed(self.config.seed, rid + 1)
         seqs = []
         for k in range(params.n):
-            gen = None if params.greedy else make_generator(sample_seed(seed, k), self.config.device)
-            seqs.append(Sequence(self._next_seq + k, rid, k, ids, params, gen))
+            own_seed = None if params.greedy else sample_seed(seed, k)
+            seqs.append(Sequence(self._next_seq + k, rid, k, ids, params, own_seed))
         self._next_seq += params.n
         seqs[0].forks = seqs[1:]
         stop = set(params.stop_token_ids)
@@ -290,7 +290,9 @@ class LLM:
                 targets += [(child, row) for child in self.scheduler.fork(seq)]
         if len(targets) != len(sample_seqs):
             logits = logits.index_select(0, torch.tensor([r for _, r in targets], device=logits.device))
-        tokens = sample(logits, [s.params for s, _ in targets], [s.generator for s, _ in targets]).tolist()
+        rows = [s for s, _ in targets]
+        tokens = sample(logits, [s.params for s in rows], [s.seed for s in rows],
+                        [s.num_tokens - s.prompt_len for s in rows]).tolist()
         self._num_steps += 1
         self._num_output_tokens += len(tokens)
         touched: dict[int, None] = {}

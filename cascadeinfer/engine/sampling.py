@@ -2,11 +2,14 @@
 
 :class:`SamplingParams` is validated when it is built, so a bad value raises before the
 request reaches the engine. :func:`sample` turns a batch of logits into one token per row
-on the device: greedy rows take the argmax; sampled rows divide by the temperature, keep
-the top-k and then the top-p nucleus, and pick ``argmax(p / E)`` with ``E ~ Exp(1)`` drawn
-from the row's own ``torch.Generator`` (the exponential race: token ``i`` wins with
-probability ``p_i``). Nothing is read back to the host here; the caller reads the tokens
-once per step.
+on the device, with no per-row device work: greedy rows take the argmax; sampled rows
+divide by the temperature, keep the top-k and then the top-p nucleus, and invert the
+row's cumulative distribution at one uniform number ``u`` (token ``i`` wins with
+probability ``p_i``). ``u`` is a counter-based function of the row's seed and of how many
+tokens the row has sampled (:func:`sample_uniforms`, SplitMix64), computed for the whole
+batch at once on the host: a request's stream depends only on its seed and its progress,
+never on the other requests of the batch, on preemption or on the device. Nothing is read
+back to the host here; the caller reads the tokens once per step.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -108,10 +112,30 @@ def sample_seed(seed: int, index: int) -> int:
     return (seed + index * _GOLDEN) % 2**63
 
 
-def make_generator(seed: int, device: torch.device) -> torch.Generator:
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
-    return gen
+_MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def _mix64(z: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser: a bijection of uint64 that scatters nearby inputs."""
+    z = (z ^ (z >> np.uint64(30))) * _MIX1
+    z = (z ^ (z >> np.uint64(27))) * _MIX2
+    return z ^ (z >> np.uint64(31))
+
+
+def sample_uniforms(seeds: Sequence[int], steps: Sequence[int]) -> torch.Tensor:
+    """float64 ``[rows]`` in ``[0, 1)``: draw number ``steps[r]`` of the stream ``seeds[r]``.
+
+    A SplitMix64 stream whose state starts at the mixed seed: draw ``t`` is
+    ``mix(mix(seed) + (t + 1) * golden)``, its top 53 bits making the float. Mixing the
+    seed first keeps the streams of ``sample_seed(seed, k)`` (seeds a multiple of the
+    golden constant apart) from being shifted copies of one another. Vectorised in numpy
+    uint64, whose arithmetic wraps modulo 2**64 as the generator needs. Seeds are below
+    2**63, steps >= 0.
+    """
+    seeds = np.asarray(seeds, dtype=np.uint64).reshape(-1)
+    steps = np.asarray(steps, dtype=np.uint64).reshape(-1)
+    z = _mix64(_mix64(seeds) + (steps + np.uint64(1)) * np.uint64(_GOLDEN))
+    return torch.from_numpy((z >> np.uint64(11)).astype(np.float64) * 2.0**-53)
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -132,39 +156,55 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     return torch.full_like(logits, -math.inf).scatter(-1, order, ordered)
 
 
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """int64 ``[rows]``: the first token whose cumulative probability exceeds ``u * total``
+    (``probs`` float32 ``[rows, vocab]``, ``u`` ``[rows]`` in ``[0, 1)``).
+
+    A token of probability 0 spans an empty interval of the CDF, so it is chosen only if
+    the target reaches the total. It never does: ``u`` is capped at the largest float32
+    below 1, and ``(1 - 2**-24) * total`` rounds below ``total`` for any positive float32
+    total. The float32 CDF resolves probabilities down to about 1e-7 of the total.
+    """
+    cdf = probs.cumsum(dim=-1)
+    u = u.to(torch.float32).clamp_(max=1.0 - 2.0**-24)  # float32(1 - 2**-53) would be 1
+    target = (u * cdf[:, -1]).unsqueeze(-1)
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1)
+
+
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
-    generators: Sequence[torch.Generator | None],
+    seeds: Sequence[int | None],
+    steps: Sequence[int],
 ) -> torch.Tensor:
     """One token per row: int64 ``[rows]`` on the logits' device (no host read).
 
-    ``logits``: float32 ``[rows, vocab]``. ``params[r]`` and ``generators[r]`` belong to
-    row ``r``; greedy rows need no generator. Each sampled row draws exactly one vector of
-    exponential noise from its generator, so a request's stream depends only on how many
-    tokens it has sampled, never on the other requests of the batch.
+    ``logits``: float32 ``[rows, vocab]``. ``params[r]``, ``seeds[r]`` and ``steps[r]``
+    belong to row ``r``: its sampling parameters, the seed of its stream (greedy rows
+    need none) and how many tokens it has sampled before (the position in its stream).
+    Per-row values travel to the device in one copy; the device work is the same few
+    batched operations whatever the mix of greedy, temperature, top-k and top-p rows.
     """
     rows = logits.shape[0]
-    if len(params) != rows or len(generators) != rows:
-        raise ValueError(f"params, generators: expected {rows} entries each, got {len(params)} and {len(generators)}")
+    if len(params) != rows or len(seeds) != rows or len(steps) != rows:
+        raise ValueError(f"params, seeds, steps: expected {rows} entries each, "
+                         f"got {len(params)}, {len(seeds)} and {len(steps)}")
     greedy = logits.argmax(dim=-1)
     sampled_rows = [r for r, p in enumerate(params) if not p.greedy]
     if not sampled_rows:
         return greedy
-    device = logits.device
-    temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params],
-                               dtype=torch.float32, device=device)
-    scaled = logits / temperature[:, None]
-    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-        top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device)
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
-        scaled = _top_k_top_p(scaled, top_k, top_p)
-    probs = scaled.softmax(dim=-1)
-    noise = torch.ones_like(probs)
     for r in sampled_rows:
-        gen = generators[r]
-        if gen is None:
-            raise ValueError(f"generators: row {r} samples (temperature > 0) but has no generator")
-        noise[r].exponential_(generator=gen)
-    is_greedy = torch.tensor([p.greedy for p in params], device=device)
-    return torch.where(is_greedy, greedy, (probs / noise).argmax(dim=-1))
+        if seeds[r] is None:
+            raise ValueError(f"seeds: row {r} samples (temperature > 0) but has no seed")
+    # One host tensor, one copy: temperature (0 = greedy), top_k, top_p, u.
+    host = torch.empty(rows, 4, dtype=torch.float64)
+    host[:, :3] = torch.tensor([(p.temperature, p.top_k, p.top_p) for p in params], dtype=torch.float64)
+    host[:, 3] = sample_uniforms([0 if s is None else s for s in seeds], steps)
+    per_row = host.to(logits.device, non_blocking=True)
+    temperature = per_row[:, 0].float()
+    is_greedy = temperature == 0
+    scaled = logits / torch.where(is_greedy, 1.0, temperature)[:, None]
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        scaled = _top_k_top_p(scaled, per_row[:, 1].long(), per_row[:, 2].float())
+    drawn = _inverse_cdf(scaled.softmax(dim=-1), per_row[:, 3])
+    return torch.where(is_greedy, greedy, drawn)

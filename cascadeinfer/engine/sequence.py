@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import enum
 
-import torch
-
 from cascadeinfer.engine.sampling import SamplingParams
 
 
@@ -37,7 +35,7 @@ class Sequence:
         sample_index: int,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        generator: torch.Generator | None,
+        seed: int | None,
     ) -> None:
         self.seq_id = seq_id
         self.request_id = request_id
@@ -45,7 +43,7 @@ class Sequence:
         self.prompt_len = len(prompt_token_ids)
         self.tokens = list(prompt_token_ids)
         self.params = params
-        self.generator = generator
+        self.seed = seed  # of this sample's random stream (None: greedy)
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.num_computed = 0
