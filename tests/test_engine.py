@@ -228,6 +228,7 @@ def test_new_requests_join_between_steps_and_bad_ones_are_rejected(llama, device
         ([], params, ValueError, "empty"),
         ([1] * 129, params, ValueError, "max_model_len"),
         ([VOCAB + 3], params, ValueError, "vocabulary"),
+        ([5, -1], params, ValueError, "token id -1 is outside the vocabulary"),
         ("text", params, ValueError, "tokenizer"),
         ([1, 2.5], params, TypeError, "token 1"),
         ([1, 2], SamplingParams(max_tokens=4, stop_token_ids=[VOCAB]), ValueError, "stop_token_ids"),

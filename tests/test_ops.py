@@ -81,3 +81,50 @@ def test_cascade_run_in_cuda_graph_through_ops():
     out.zero_()
     graph.replay()
     torch.testing.assert_close(out, expected)
+
+
+def test_ops_validate_when_asked(device):
+    """validate=True (the ops' last argument) checks the page table before any launch;
+    the default skips the host read, as on the hot path."""
+    q, cache, kv_indptr, kv_indices, kv_last = small_batch(device)
+    out, lse = torch.empty_like(q), torch.empty(q.shape[:2], device=device)
+    outside = torch.tensor([5, 1, 60], **I32, device=device)  # the pool has 8 pages
+    with pytest.raises(ValueError, match="kv_indices: index 60 at position 2 is outside the pool of 8 pages"):
+        torch.ops.cascadeinfer.batch_decode_paged(q, cache, None, kv_indptr, outside, kv_last, "NHD", 0.25, None,
+                                                  out, lse, None, True)
+    qo = torch.tensor([0, 1, 2], **I32, device=device)
+    with pytest.raises(ValueError, match="kv_indices"):
+        torch.ops.cascadeinfer.batch_prefill_paged(q, qo, cache, None, kv_indptr, outside, kv_last, False, "NHD",
+                                                   0.25, None, out, lse, True)
+    k_new = torch.randn(2, 2, 16, dtype=q.dtype, device=device)
+    rows, pos = torch.tensor([0, 1], **I32, device=device), torch.tensor([6, 3], **I32, device=device)
+    before = cache.clone()
+    with pytest.raises(ValueError, match="kv_indices"):
+        torch.ops.cascadeinfer.append_paged_kv_cache(k_new, k_new.clone(), rows, pos, cache, None, outside,
+                                                     kv_indptr, kv_last, "NHD", True)
+    assert torch.equal(cache, before)  # refused before anything was written
+
+
+def test_torch_path_unchecked_tables_raise_never_write(monkeypatch):
+    """On the plain-PyTorch path validate=False still bounds-checks (it is free there): an
+    out-of-pool or negative page id is an IndexError, never a read or write of another page."""
+    from cascadeinfer.kernels import append as append_mod
+    from cascadeinfer.kernels import decode as decode_mod
+
+    for mod in (append_mod, decode_mod):
+        monkeypatch.setattr(mod, "use_triton", lambda dev: False)
+    q, cache, kv_indptr, kv_indices, kv_last = small_batch("cpu", dtype=torch.float32)
+    k_new = torch.randn(2, 2, 16)
+    rows, pos = torch.tensor([0, 1], **I32), torch.tensor([6, 3], **I32)
+    for bad in ([5, 1, 60], [5, -1, 6]):
+        table = torch.tensor(bad, **I32)
+        with pytest.raises(IndexError, match="kv_indices"):
+            decode_mod.batch_decode_paged(q, cache, kv_indptr, table, kv_last, validate=False)
+        before = cache.clone()
+        with pytest.raises(IndexError, match="kv_indices"):
+            append_mod.append_paged_kv_cache(k_new, k_new.clone(), rows, pos, cache, table, kv_indptr, kv_last,
+                                             validate=False)
+        assert torch.equal(cache, before)
+    with pytest.raises(IndexError, match="positions"):  # a position past the row's pages
+        append_mod.append_paged_kv_cache(k_new, k_new.clone(), rows, torch.tensor([9, 3], **I32), cache,
+                                         kv_indices, kv_indptr, kv_last, validate=False)
