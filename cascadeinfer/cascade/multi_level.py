@@ -27,7 +27,7 @@ from cascadeinfer._checks import (
     normalize_device,
     use_triton,
 )
-from cascadeinfer.cascade.plan import HostLevel, choose_cascade, flat_page_table, host_levels
+from cascadeinfer.cascade.plan import HostLevel, LevelTensors, choose_cascade, flat_page_table, host_levels
 from cascadeinfer.kernels.decode import batch_decode_paged, pick_decode_schedule
 from cascadeinfer.kernels.launch import LaunchCache, Recording, call_key, recording
 from cascadeinfer.kernels.merge import merge_state
@@ -38,7 +38,7 @@ from cascadeinfer.ops import split_cache
 
 
 @dataclass(slots=True)
-class _DeviceLevel:
+class _DeviceLevel(LevelTensors):
     """One level on the device: its query groups (int32), its page table (a device copy of
     the validated host :class:`PageTable`) and the launch choices the plan made for it;
     ``decode`` when every group has one query."""
@@ -48,21 +48,6 @@ class _DeviceLevel:
     decode: bool
     num_splits: int | None = None  # prefill levels: KV splits (None: the kernel's default)
     schedule: str | None = None  # decode levels: batch_decode_paged's schedule (None: from shapes)
-
-    @property
-    def kv_indptr(self) -> torch.Tensor:
-        return self.table.kv_indptr
-
-    @property
-    def kv_indices(self) -> torch.Tensor:
-        return self.table.kv_indices
-
-    @property
-    def kv_last_page_len(self) -> torch.Tensor:
-        return self.table.kv_last_page_len
-
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        return self.qo_indptr, self.kv_indptr, self.kv_indices, self.kv_last_page_len
 
 
 def _upload(levels: list[HostLevel], device: torch.device, old: list[_DeviceLevel],

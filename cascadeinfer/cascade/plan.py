@@ -19,8 +19,29 @@ from cascadeinfer.layouts.indptr import check_monotone
 from cascadeinfer.layouts.page_table import PageTable, check_page_table_values
 
 
+class LevelTensors:
+    """The page-table tensors of a level that holds a ``table`` (host or device)."""
+
+    __slots__ = ()
+
+    @property
+    def kv_indptr(self) -> torch.Tensor:
+        return self.table.kv_indptr
+
+    @property
+    def kv_indices(self) -> torch.Tensor:
+        return self.table.kv_indices
+
+    @property
+    def kv_last_page_len(self) -> torch.Tensor:
+        return self.table.kv_last_page_len
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.qo_indptr, self.kv_indptr, self.kv_indices, self.kv_last_page_len
+
+
 @dataclass(frozen=True, slots=True)
-class HostLevel:
+class HostLevel(LevelTensors):
     """One cascade level on the host: its query groups and their page table.
 
     ``qo_indptr`` int64 ``[groups + 1]`` cuts the query tokens into groups; ``table`` is
@@ -45,18 +66,6 @@ class HostLevel:
     @property
     def num_groups(self) -> int:
         return self.qo_indptr.numel() - 1
-
-    @property
-    def kv_indptr(self) -> torch.Tensor:
-        return self.table.kv_indptr
-
-    @property
-    def kv_indices(self) -> torch.Tensor:
-        return self.table.kv_indices
-
-    @property
-    def kv_last_page_len(self) -> torch.Tensor:
-        return self.table.kv_last_page_len
 
     def kv_lens(self, page_size: int) -> torch.Tensor:
         """Keys per group, int64."""
