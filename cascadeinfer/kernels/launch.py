@@ -14,15 +14,19 @@ launcher records its first call and replays the recording afterwards:
   the call's scratch buffer when it came from :func:`scratch`, and kept as it is
   otherwise (tensors the owner of the recording keeps alive, e.g. a plan's metadata).
 - ``Recording.replay(roots)`` reads the new roots' addresses and launches the same
-  kernels. On CUDA it calls each compiled kernel's launcher directly with integer
-  addresses (a few µs a kernel, against Triton's argument binding, specialisation and
-  cache lookup plus the launcher's Python checks). Under ``TRITON_INTERPRET=1`` it
+  kernels. On CUDA it calls each compiled kernel's generated C launcher directly with
+  integer addresses, skipping Triton's argument binding, specialisation, cache lookup
+  and per-pointer driver query, and the launcher's own Python checks (what is left is
+  the C launcher itself, 8-10 µs for a 50-argument kernel on an H100 machine's CPU:
+  benchmarks/NOTES.md, "Host cost"). Under ``TRITON_INTERPRET=1`` it
   launches through the JIT function again with views of the new tensors, so the same
   recording and address logic is what CI tests.
 
 A replay is exact only for a call with the recorded signature: the caller keys its
 recordings by :func:`call_key`, which holds every property the launcher's host work and
-Triton's specialisation (pointer alignment, integer values) read.
+Triton's specialisation (pointer alignment, integer values) read. The CUDA replay
+follows the argument layout of Triton 3.6's generated launcher (the version this
+package pins); a kernel that needs launch-time scratch memory is never replayed.
 """
 
 from __future__ import annotations
