@@ -102,11 +102,18 @@ def _check_append_args(
     check_int32_vector("batch_indices", batch_indices, kv.device, length=nnz)
     check_int32_vector("positions", positions, kv.device, length=nnz)
     check_tensor("kv_indptr", kv_indptr, device=kv.device)
-    validate_page_table(kv_indptr, kv_indices, kv_last_page_len, kv.page_size, kv.num_pages,
-                        contents=validate and not capturing())
     if validate and not capturing():
-        _check_targets(batch_indices, positions, kv_indptr, kv_indices, kv_last_page_len, kv.page_size)
+        _check_contents(kv, batch_indices, positions, kv_indices, kv_indptr, kv_last_page_len)
+    else:
+        validate_page_table(kv_indptr, kv_indices, kv_last_page_len, kv.page_size, kv.num_pages, contents=False)
     return kv
+
+
+def _check_contents(kv: PagedKV, batch_indices, positions, kv_indices, kv_indptr, kv_last_page_len) -> None:
+    """The content checks (a host read): the page-table rule against this pool, then the
+    tokens' targets (:func:`_check_targets`)."""
+    validate_page_table(kv_indptr, kv_indices, kv_last_page_len, kv.page_size, kv.num_pages)
+    _check_targets(batch_indices, positions, kv_indptr, kv_indices, kv_last_page_len, kv.page_size)
 
 
 def _check_targets(
@@ -192,9 +199,8 @@ def append_paged_kv_cache(
     rec = _LAUNCHES.get(key)
     if rec is not None:  # a call of this signature passed every shape check already
         if validate and not capturing():
-            kv = unpack_paged_kv_cache(paged_kv_cache, kv_layout)
-            validate_page_table(kv_indptr, kv_indices, kv_last_page_len, kv.page_size, kv.num_pages)
-            _check_targets(batch_indices, positions, kv_indptr, kv_indices, kv_last_page_len, kv.page_size)
+            _check_contents(unpack_paged_kv_cache(paged_kv_cache, kv_layout), batch_indices, positions,
+                            kv_indices, kv_indptr, kv_last_page_len)
         rec.replay(roots)
         return
     kv = _check_append_args(append_key, append_value, batch_indices, positions, paged_kv_cache,

@@ -924,9 +924,8 @@ def batch_prefill_paged(
     if rec is not None:  # a call of this signature passed every shape check already
         out, lse = _outputs(q, out, lse, checked=True)
         if validate and not capturing():
-            kv = unpack_paged_kv_cache(paged_kv_cache, kv_layout)
-            validate_page_table(kv_indptr, kv_indices, kv_last_page_len, kv.page_size, kv.num_pages)
-            validate_indptr("qo_indptr", qo_indptr, total=q.shape[0])
+            _check_paged_contents(q, qo_indptr, unpack_paged_kv_cache(paged_kv_cache, kv_layout), kv_indptr,
+                                  kv_indices, kv_last_page_len)
         rec.replay((q, qo_indptr, *cache_tensors(paged_kv_cache), kv_indptr, kv_indices, kv_last_page_len, out, lse))
         return out, lse
     _check_q(q)
@@ -942,10 +941,10 @@ def batch_prefill_paged(
     _check_kv_matches_q(q, "paged_kv_cache", kv.dtype, kv.num_kv_heads, kv.head_dim)
     scale = default_sm_scale(q.shape[2], sm_scale)
     out, lse = _outputs(q, out, lse)
-    contents = validate and not capturing()
-    validate_page_table(kv_indptr, kv_indices, kv_last_page_len, kv.page_size, kv.num_pages, contents=contents)
-    if contents:
-        validate_indptr("qo_indptr", qo_indptr, total=q.shape[0])
+    if validate and not capturing():
+        _check_paged_contents(q, qo_indptr, kv, kv_indptr, kv_indices, kv_last_page_len)
+    else:
+        validate_page_table(kv_indptr, kv_indices, kv_last_page_len, kv.page_size, kv.num_pages, contents=False)
     if not use_triton(device):
         check_pages_in_pool(kv_indptr.cpu(), kv_indices.cpu(), kv.num_pages)
         o64, lse64 = batch_prefill_paged_ref(
@@ -958,6 +957,13 @@ def batch_prefill_paged(
     with recorded(_PAGED, key, roots):
         _run(q, qo_indptr, source, out, lse, causal=causal, sm_scale=scale, num_splits=num_splits)
     return out, lse
+
+
+def _check_paged_contents(q, qo_indptr, kv: PagedKV, kv_indptr, kv_indices, kv_last_page_len) -> None:
+    """The content checks of :func:`batch_prefill_paged` (a host read): the page-table rule
+    against this pool, and ``qo_indptr`` splitting exactly the ``nnz_qo`` queries."""
+    validate_page_table(kv_indptr, kv_indices, kv_last_page_len, kv.page_size, kv.num_pages)
+    validate_indptr("qo_indptr", qo_indptr, total=q.shape[0])
 
 
 # Recordings of the public prefill launchers' calls, by signature (cascadeinfer.kernels.launch).
