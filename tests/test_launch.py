@@ -232,7 +232,7 @@ def test_call_key_sees_alignment_and_strides():
 
 def test_cache_evicts_least_recently_used():
     cache = launch_mod.LaunchCache(maxsize=2)
-    recs = [launch_mod.Recording(num_roots=0, keep_scratch=False) for _ in range(3)]
+    recs = [launch_mod.Recording(keep_scratch=False) for _ in range(3)]
     cache.put("a", recs[0])
     cache.put("b", recs[1])
     assert cache.get("a") is recs[0]

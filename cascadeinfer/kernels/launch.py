@@ -81,7 +81,6 @@ class Recording:
     like a cascade plan); otherwise every replay carves them out of one fresh allocation.
     """
 
-    num_roots: int
     keep_scratch: bool
     valid: bool = True  # False: an argument could not be traced to one root; never replay
     launches: list[_Launch] = field(default_factory=list)
@@ -221,7 +220,7 @@ def recording(roots: Sequence[torch.Tensor], *, keep_scratch: bool = False) -> I
     view of the root it starts at, or of the nearest root starting below it; where that
     is ambiguous (two roots at one address) the recording is marked not ``valid``.
     """
-    rec = Recording(num_roots=len(roots), keep_scratch=keep_scratch)
+    rec = Recording(keep_scratch=keep_scratch)
     for index, t in enumerate(roots):
         rec._root_spans.append((t.untyped_storage().data_ptr(), t.data_ptr(), index))
     token = _RECORDING.set(rec)
