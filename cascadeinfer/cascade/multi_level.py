@@ -7,8 +7,11 @@ case) runs on a side stream while the prefill level, sized to leave it a share o
 SMs, runs on the caller's stream: one is compute-bound, the other bandwidth-bound. Or,
 when the planner predicts it is faster, one flat paged decode over
 each request's concatenated page list. ``run`` reads nothing back from the device, so
-it can be captured in a CUDA graph; re-planning with tables of the same shapes writes
-into the same device buffers, so a captured graph replays with the new tables.
+it can be captured in a CUDA graph. Constructed with ``use_cuda_graph=True`` the plan
+owns fixed-capacity device buffers and keeps the launch choices of its first plan, so a
+graph captured around ``run`` replays every later plan's tables (FlashInfer's
+``use_cuda_graph`` idea); without it, re-planning with tables of the same shapes writes
+into the same device buffers too.
 """
 
 from __future__ import annotations
@@ -73,6 +76,104 @@ def _upload(levels: list[HostLevel], device: torch.device, old: list[_DeviceLeve
             for i, (lv, d) in enumerate(zip(levels, decode))], packed
 
 
+class _Staging:
+    """A pinned host buffer for the plan's table copies in graph mode.
+
+    The copy into the device buffers is enqueued on the current stream behind the work
+    that reads the previous tables, so it must not wait for that work on the host: from
+    pinned memory it is a true asynchronous copy. The buffer is written again only after
+    the previous copy out of it has finished (an event; long done in a steady loop).
+    """
+
+    def __init__(self) -> None:
+        self.host: torch.Tensor | None = None
+        self.done: torch.cuda.Event | None = None
+
+    def write(self, parts: list[torch.Tensor], packed: torch.Tensor) -> None:
+        if packed.device.type != "cuda":
+            packed.copy_(torch.cat(parts))
+            return
+        if self.host is None:
+            self.host = torch.empty(packed.numel(), dtype=torch.int32, pin_memory=True)
+            self.done = torch.cuda.Event()
+        else:
+            self.done.synchronize()
+        torch.cat(parts, out=self.host)
+        packed.copy_(self.host, non_blocking=True)
+        self.done.record()
+
+
+def _upload_fixed(levels: list[HostLevel], device: torch.device, capacity: list[int],
+                  old: list[_DeviceLevel], packed: torch.Tensor | None, staging: _Staging) -> tuple[list[_DeviceLevel], torch.Tensor]:
+    """The levels' int32 tables in fixed-capacity device buffers (graph mode).
+
+    Level ``l``'s page list sits in a buffer of ``capacity[l]`` entries (its unused tail
+    zero; kernels read a row's pages only up to ``kv_indptr``), so every plan of the same
+    group counts has the same buffer shapes: the first allocates them, later ones copy
+    into them through ``staging`` (one host-to-device copy, ordered after the work already
+    on the stream, so a graph replayed before it still reads the previous tables).
+    """
+    host = []
+    for lv, cap in zip(levels, capacity):
+        pad = torch.zeros(cap - lv.kv_indices.numel(), dtype=torch.int32)
+        host += [lv.qo_indptr.to(torch.int32), lv.kv_indptr, lv.kv_indices, pad, lv.kv_last_page_len]
+    if packed is not None:
+        staging.write(host, packed)
+        return old, packed
+    packed = torch.cat(host).to(device)
+    views, start = [], 0
+    for lv, cap in zip(levels, capacity):
+        sizes = (lv.num_groups + 1, lv.num_groups + 1, cap, lv.num_groups)
+        qo, kp, ki, kl = (packed[start + sum(sizes[:i]):start + sum(sizes[:i + 1])] for i in range(4))
+        start += sum(sizes)
+        decode = bool((lv.qo_indptr[1:] - lv.qo_indptr[:-1] == 1).all())
+        views.append(_DeviceLevel(qo, PageTable.trusted(kp, ki, kl, lv.table.page_size, lv.table.num_pages),
+                                  decode=decode))
+    return views, packed
+
+
+@dataclass(frozen=True, slots=True)
+class _GraphShape:
+    """What every plan of a graph-mode ``MultiLevelCascadeAttention`` must share with its
+    first: the recorded launches (and a graph captured on them) depend on it."""
+
+    geometry: tuple[int, int, int, int]  # num_qo_heads, num_kv_heads, head_dim, page_size
+    causal: bool
+    sm_scale: float
+    num_tokens: int
+    groups: tuple[int, ...]  # per level
+
+    @classmethod
+    def of(cls, levels, num_qo_heads, num_kv_heads, head_dim, page_size, causal, sm_scale) -> _GraphShape:
+        return cls((num_qo_heads, num_kv_heads, head_dim, page_size), bool(causal), sm_scale,
+                   int(levels[0].qo_indptr[-1]), tuple(lv.num_groups for lv in levels))
+
+    def check_matches(self, first: _GraphShape) -> None:
+        if self.geometry != first.geometry:
+            raise ValueError("num_qo_heads, num_kv_heads, head_dim, page_size: expected "
+                             f"{first.geometry} as in the first plan (use_cuda_graph=True), got {self.geometry}")
+        if (self.causal, self.sm_scale) != (first.causal, first.sm_scale):
+            raise ValueError(f"causal, sm_scale: expected {first.causal}, {first.sm_scale} as in the first plan "
+                             f"(use_cuda_graph=True), got {self.causal}, {self.sm_scale}")
+        if self.num_tokens != first.num_tokens:
+            raise ValueError(f"qo_indptr_arr: expected {first.num_tokens} query tokens as in the first plan "
+                             f"(use_cuda_graph=True; pad with rows that have no pages), got {self.num_tokens}")
+        for lv, (g, g0) in enumerate(zip(self.groups, first.groups)):
+            if g != g0:
+                raise ValueError(f"qo_indptr_arr[{lv}]: expected {g0} groups as in the first plan "
+                                 f"(use_cuda_graph=True; pad with groups of no queries and no pages), got {g}")
+
+
+def _check_capacity(max_pages, num_levels: int) -> list[int]:
+    """``max_pages`` as one int per level (graph mode's page-list capacities)."""
+    if max_pages is None:
+        raise ValueError("max_pages: use_cuda_graph=True needs the capacity of each level's page list")
+    caps = [max_pages] * num_levels if isinstance(max_pages, int) else list(max_pages)
+    if len(caps) != num_levels or any(not isinstance(c, int) or isinstance(c, bool) or c < 0 for c in caps):
+        raise ValueError(f"max_pages: expected a non-negative int or {num_levels} of them, got {max_pages!r}")
+    return caps
+
+
 class MultiLevelCascadeAttention:
     """Attention over a KV cache split into levels, each level's state merged into one.
 
@@ -81,6 +182,16 @@ class MultiLevelCascadeAttention:
             prompt for all requests), the last is each request's own suffix.
         kv_layout: ``"NHD"`` or ``"HND"``, the layout of the paged cache given to ``run``.
         device: where the metadata lives (default: CUDA if available, else CPU).
+        use_cuda_graph: keep everything a captured ``run`` reads at fixed addresses
+            across plans. The first :meth:`plan` allocates the device buffers and makes the
+            launch choices (kernels, KV splits, decode schedule, side stream); every later
+            plan must have the same query tokens and groups per level (pad a level with
+            groups of no queries and no pages) and at most ``max_pages[l]`` pages in level
+            ``l``; it rewrites the tables in place and keeps those choices, so a CUDA graph
+            captured around ``run`` replays with the new tables. With more than one level
+            the plan runs the cascade (plan flat decode as one level of every row's pages).
+        max_pages: with ``use_cuda_graph``, the capacity of each level's page list (one
+            int for every level, or one per level).
 
     Example (two levels, shared-prefix batch decode)::
 
@@ -91,10 +202,20 @@ class MultiLevelCascadeAttention:
         o, lse = attn.run(q, paged_kv_cache, return_lse=True)
     """
 
-    def __init__(self, num_levels: int, *, kv_layout: str = "NHD", device: torch.device | str | None = None):
+    def __init__(self, num_levels: int, *, kv_layout: str = "NHD", device: torch.device | str | None = None,
+                 use_cuda_graph: bool = False, max_pages: int | Sequence[int] | None = None):
         if not isinstance(num_levels, int) or isinstance(num_levels, bool) or num_levels < 1:
             raise ValueError(f"num_levels: expected a positive int, got {num_levels!r}")
         self.num_levels = num_levels
+        if not isinstance(use_cuda_graph, bool):
+            raise TypeError(f"use_cuda_graph: expected a bool, got {type(use_cuda_graph).__name__}")
+        self.use_cuda_graph = use_cuda_graph
+        self._capacity = _check_capacity(max_pages, num_levels) if use_cuda_graph else None
+        if max_pages is not None and not use_cuda_graph:
+            raise ValueError("max_pages: only used with use_cuda_graph=True")
+        # graph mode, after the first plan: what every later plan must match
+        self._fixed: tuple | None = None
+        self._staging = _Staging()
         self.kv_layout = check_kv_layout(kv_layout)
         self.device = normalize_device(device if device is not None else (
             "cuda" if torch.cuda.is_available() else "cpu"))
@@ -105,9 +226,14 @@ class MultiLevelCascadeAttention:
         self._overlap = False
         self._stream: torch.cuda.Stream | None = None
         self._planned = False
-        # Recorded runs by call signature (see run); valid while the launches a plan makes
-        # stay the same (_launch_signature).
-        self._launches = LaunchCache(maxsize=8)
+        # Recorded runs by call signature (see run), one cache per launch signature of the
+        # plan (_signature). A graph captured earlier may replay the recordings of an
+        # earlier signature on the same buffers (their scratch holds its intermediate
+        # states), so those are kept until the buffers themselves change; in graph mode
+        # none is ever evicted.
+        self._launch_sets: dict[tuple, LaunchCache] = {}
+        self._launch_buffers: tuple = ()
+        self._launches = LaunchCache()
         self._launch_signature: tuple | None = None
 
     def plan(
@@ -145,9 +271,11 @@ class MultiLevelCascadeAttention:
                 model choose. Flat needs every level above the last to end on a full page
                 (or be empty); where it cannot, cascade is used and forcing flat raises.
 
-        This reads the tables on the host (a sync): call it once per batch shape change,
-        not per layer. Re-planning with tables of the same shapes updates the device
-        buffers in place, so a CUDA graph captured around :meth:`run` stays valid.
+        This reads the tables on the host (a sync): call it once per batch, not per
+        layer. Re-planning with tables of the same shapes updates the device buffers in
+        place; a CUDA graph captured around :meth:`run` stays valid across plans that make
+        the same launch choices, and across every plan with ``use_cuda_graph=True``
+        (which fixes them at the first plan).
         """
         for name, x in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
                         ("head_dim", head_dim), ("page_size", page_size)):
@@ -165,6 +293,20 @@ class MultiLevelCascadeAttention:
                 raise ValueError(
                     f"qo_indptr_arr[{self.num_levels - 1}]: with causal=True each last-level group's queries must be "
                     f"its last keys, but group {g} has more queries than keys")
+        if self.use_cuda_graph:
+            for lv, (level, cap) in enumerate(zip(levels, self._capacity)):
+                if level.kv_indices.numel() > cap:
+                    raise ValueError(f"kv_indptr_arr[{lv}]: level {lv} uses {level.kv_indices.numel()} pages, more "
+                                     f"than max_pages={cap} (use_cuda_graph=True)")
+            shape = _GraphShape.of(levels, num_qo_heads, num_kv_heads, head_dim, page_size, causal,
+                                   default_sm_scale(head_dim, sm_scale))
+            if self._fixed is not None:
+                self._replan_in_place(levels, shape)
+                return
+            if self.num_levels > 1 and use_cascade is False:
+                raise ValueError("use_cascade: with use_cuda_graph=True a plan of several levels runs the cascade; "
+                                 "plan flat decode as one level of every row's pages")
+            use_cascade = True
         cascade, self.predicted_cascade_s, self.predicted_flat_s, prefix_share = choose_cascade(
             levels, page_size=page_size, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
             head_dim=head_dim, elem_bytes=torch.empty((), dtype=dtype).element_size(), device=self.device,
@@ -180,7 +322,10 @@ class MultiLevelCascadeAttention:
                 cascade = True
         self.use_cascade = cascade or self.num_levels == 1
         self._overlap = False
-        if self.use_cascade:
+        if self.use_cuda_graph:
+            self._levels, self._packed = _upload_fixed(levels, self.device, self._capacity, [], None, self._staging)
+            self._fixed = shape
+        elif self.use_cascade:
             self._levels, self._packed = _upload(levels, self.device, self._levels, self._packed)
             # The decode level runs on a side stream beside the prefill level above it; that
             # level's grid is sized to leave the decode its share of the SMs (from shapes).
@@ -210,9 +355,37 @@ class MultiLevelCascadeAttention:
         self.pages_needed = max((int(lv.kv_indices.max()) + 1 for lv in levels if lv.kv_indices.numel()), default=0)
         signature = self._signature()
         if signature != self._launch_signature:
-            self._launches.clear()
+            buffers = (self._packed, self._packed_flat)
+            if any(a is not b for a, b in zip(self._launch_buffers, buffers)):
+                self._launch_sets.clear()  # new buffers: no graph can replay the old recordings
+            self._launch_buffers = buffers
+            self._launches = self._launch_sets.setdefault(
+                signature, LaunchCache(maxsize=1 << 30 if self.use_cuda_graph else 8))
             self._launch_signature = signature
         self._planned = True
+
+    def _replan_in_place(self, levels: list[HostLevel], shape: _GraphShape) -> None:
+        """A later plan in graph mode: same shapes and launch choices, new tables."""
+        shape.check_matches(self._fixed)
+        for lv, (dev, host) in enumerate(zip(self._levels, levels)):
+            if dev.decode and not bool((host.qo_indptr[1:] - host.qo_indptr[:-1] == 1).all()):
+                raise ValueError(f"qo_indptr_arr[{lv}]: level {lv} was planned as a decode level (one query per "
+                                 "group); with use_cuda_graph=True it must stay one")
+        _upload_fixed(levels, self.device, self._capacity, self._levels, self._packed, self._staging)
+        self.pages_needed = max((int(lv.kv_indices.max()) + 1 for lv in levels if lv.kv_indices.numel()), default=0)
+
+    def level_table(self, level: int) -> PageTable:
+        """Level ``level``'s page table on the device, as the kernels read it (int32;
+        ``kv_indptr`` counted from 0, only its used entries meaningful). With
+        ``use_cuda_graph`` the tensors stay the same across plans, so an engine can
+        capture other kernels on them (e.g. the append of the step's new tokens through
+        the last level's table). Flat plans have one table, ``level`` 0 or -1."""
+        if not self._planned:
+            raise RuntimeError("MultiLevelCascadeAttention.level_table called before plan()")
+        levels = self._levels if self.use_cascade else [self._flat]
+        if not isinstance(level, int) or not -len(levels) <= level < len(levels):
+            raise IndexError(f"level: expected an int in [{-len(levels)}, {len(levels)}), got {level!r}")
+        return levels[level].table
 
     def _signature(self) -> tuple:
         """Everything the recorded launches of :meth:`run` depend on besides the call's own
