@@ -404,21 +404,24 @@ def test_engine_options_are_checked(llama):
     assert cfg["model_type"] == "llama"
 
 
-@pytest.mark.parametrize("use_cascade", [True, False])
-def test_padded_graph_path_without_capture(use_cascade, qwen2, device, torch_path):
-    """The CUDA-graph decode path's fixed buffers and padding, run without capture."""
+@pytest.mark.parametrize("use_cascade,levels", [(True, 2), (False, 2), (True, 3)])
+def test_padded_graph_path_without_capture(use_cascade, levels, qwen2, device, torch_path):
+    """The CUDA-graph decode path's fixed buffers and padding, run without capture; with 3
+    levels two of the shared-prompt requests share 2 more pages."""
     from cascadeinfer.engine.model_runner import DecodeGraphs  # noqa: PLC0415
 
     path, model = qwen2
-    llm = _llm(path, device, use_cascade=use_cascade, max_graph_batch=6, record_steps=True)
+    llm = _llm(path, device, use_cascade=use_cascade, max_graph_batch=6, record_steps=True, cascade_levels=levels)
     llm.runner.graphs = DecodeGraphs(llm.runner, capture=False)
-    prompts = SHARED + UNSHARED
+    prompts = SHARED + UNSHARED if levels == 2 else SHARED[:1] + [PREFIX + [9] * 8 + [i] for i in range(2)] + UNSHARED
     params = [SamplingParams(max_tokens=4 + 2 * i, **GREEDY) for i in range(len(prompts))]
     outs = llm.generate(prompts, params)
     for prompt, p, out in zip(prompts, params, outs):
         assert out.outputs[0].token_ids == hf_greedy(model, prompt, p.max_tokens, device)
     padded = {s.num_decode for s in llm.step_stats if s.graph}
     assert {5, 3} <= padded  # batches of 5 (bucket 6) and 3 (bucket 4) went through it
+    if use_cascade:  # (batch bucket, cascade, a group bucket per shared level)
+        assert any(len(key[2]) == levels - 1 for key in llm.runner.graphs.steps)
     _assert_no_leak(llm)
 
 

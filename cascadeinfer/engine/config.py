@@ -84,5 +84,5 @@ class EngineConfig:
 
     @property
     def use_graphs(self) -> bool:
-        """CUDA graphs for pure decode steps: on CUDA, unless eager, for 2-level cascades."""
-        return self.device.type == "cuda" and not self.enforce_eager and self.cascade_levels <= 2
+        """CUDA graphs for pure decode steps: on CUDA, unless eager."""
+        return self.device.type == "cuda" and not self.enforce_eager

@@ -16,8 +16,9 @@ sequence. Per layer, the attention callable of the step
    cascade or flat decode — and run once per layer.
 
 Pure decode steps on a GPU replay a CUDA graph of the whole forward, captured lazily per
-(batch bucket, attention mode, level-0 group bucket) over fixed-capacity metadata buffers
-that each step refills (see :class:`DecodeGraphs`).
+(batch bucket, attention mode, group bucket of each shared level), its attention the
+cascade's graph mode over fixed-capacity buffers that each step's plan refills (see
+:class:`DecodeGraphs`).
 """
 
 from __future__ import annotations
@@ -36,8 +37,6 @@ from cascadeinfer.engine.llama import LlamaForCausalLM
 from cascadeinfer.engine.scheduler import ScheduledBatch
 from cascadeinfer.engine.sequence import Sequence
 from cascadeinfer.kernels.append import append_paged_kv_cache
-from cascadeinfer.kernels.decode import batch_decode_paged
-from cascadeinfer.kernels.merge import merge_state
 from cascadeinfer.kernels.prefill import batch_prefill_paged, batch_prefill_ragged
 from cascadeinfer.layouts.pool import PagedKVPool
 
@@ -232,16 +231,33 @@ def _buckets(max_batch: int) -> list[int]:
     return sorted({s for s in sizes if s <= max_batch} | {max_batch})
 
 
+class _Captured:
+    """One captured decode step: its cascade (graph mode: fixed buffers, fixed launch
+    choices) and its graph (None until captured, and without capture)."""
+
+    __slots__ = ("attn", "graph")
+
+    def __init__(self, attn: MultiLevelCascadeAttention) -> None:
+        self.attn = attn
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+
 class DecodeGraphs:
-    """Captured decode steps over fixed-capacity metadata buffers.
+    """Captured decode steps: the whole forward, attention through the cascade's graph mode.
 
     A graph replays the same kernel launches, so every tensor it reads has a fixed address
-    and a fixed shape per key ``(batch bucket, cascade?, level-0 group bucket)``: the
-    batch is padded to the bucket (padding rows append nothing, have no pages and attend to
-    nothing), the level-0 group count to a power of two (empty groups), and the page lists
-    sit in buffers of the largest possible size (kernels read only up to ``kv_indptr``).
-    Only two-level cascades (or flat decode) are captured. Graphs share one memory pool
-    and are captured on first use; each step refills the buffers and replays.
+    and a fixed shape per key ``(batch bucket, cascade?, group bucket of each level above
+    the last)``: the batch is padded to the bucket (padding rows append nothing, have no
+    pages and attend to nothing), each upper level's group count to a power of two (empty
+    groups), and each key owns a :class:`MultiLevelCascadeAttention` built with
+    ``use_cuda_graph=True``, whose page lists sit in buffers of the largest possible size.
+    Each step plans that cascade (its tables rewritten in place), refills the input
+    buffers and replays; the captured cascade keeps its side stream and its prefix split
+    sized for the decode beside it, for any number of levels. Flat decode is a one-level
+    plan of every row's pages. The new token's K/V is appended through the last level's
+    table (its page is always the row's last). Graphs share one memory pool and are
+    captured on a key's first use, after a forward that compiles and records outside the
+    capture.
 
     ``capture=False`` runs the same padded forward without a graph (any device): the
     tests check the padding and buffer logic that way on a CPU.
@@ -253,139 +269,120 @@ class DecodeGraphs:
         self.kv_layout = runner.config.kv_layout
         self.capture = capture
         cfg = runner.config
-        dev = cfg.device
+        self.device = dev = cfg.device
         self.max_batch = cfg.max_graph_batch
         self.buckets = _buckets(self.max_batch)
-        pages_per_seq = -(-cfg.max_model_len // runner.page_size)
-        cap = self.max_batch * pages_per_seq
+        self.pages_per_seq = -(-cfg.max_model_len // runner.page_size)
         b = self.max_batch
-        i32 = dict(dtype=torch.int32, device=dev)
         self.input_ids = torch.zeros(b, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(b, dtype=torch.int64, device=dev)
-        self.append_rows = torch.zeros(b, **i32)
-        self.append_positions = torch.zeros(b, **i32)
-        # flat table (every row's pages): the append, and flat decode
-        self.flat_indptr, self.flat_indices, self.flat_last = (torch.zeros(b + 1, **i32), torch.zeros(cap, **i32),
-                                                               torch.zeros(b, **i32))
-        # level 0 (shared prefixes) and level 1 (each row's own pages) of the cascade
-        self.l0_qo, self.l0_indptr = torch.zeros(b + 1, **i32), torch.zeros(b + 1, **i32)
-        self.l0_indices, self.l0_last = torch.zeros(cap, **i32), torch.zeros(b, **i32)
-        self.l1_indptr, self.l1_indices, self.l1_last = (torch.zeros(b + 1, **i32), torch.zeros(cap, **i32),
-                                                         torch.zeros(b, **i32))
+        self.append_rows = torch.zeros(b, dtype=torch.int32, device=dev)
+        self.append_positions = torch.zeros(b, dtype=torch.int32, device=dev)
         # Every graph writes its logits here (one buffer, not one per graph: [batch, vocab] fp32 is big).
         self.logits = torch.empty(b, runner.model.config.vocab_size, dtype=torch.float32, device=dev)
-        self.graphs: dict[tuple[int, bool, int], torch.cuda.CUDAGraph] = {}
+        self.steps: dict[tuple, _Captured] = {}
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.mempool = torch.cuda.graph_pool_handle() if capture else None
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
-    def _fill(self, batch: int, seqs: list[Sequence], levels: list[HostLevel], groups: int) -> None:
-        """Write the step's metadata into the buffers, padded to ``batch`` rows and ``groups``.
+    def run(self, seqs: list[Sequence], levels: list[HostLevel], cascade: bool) -> torch.Tensor:
+        """Replay (capturing first if new) the step for ``seqs``; float32 logits ``[n, vocab]``."""
+        n = len(seqs)
+        batch = self.bucket(n)
+        if cascade:
+            tables = [_padded(lv, batch, n, last=i == len(levels) - 1) for i, lv in enumerate(levels)]
+        else:
+            tables = [_padded(_flat_level(seqs, self.page_size), batch, n, last=True)]
+        key = (batch, cascade, tuple(t[0].numel() - 1 for t in tables[:-1]))
+        step = self.steps.get(key)
+        if step is None:
+            step = self.steps[key] = _Captured(MultiLevelCascadeAttention(
+                len(tables), kv_layout=self.kv_layout, device=self.device, use_cuda_graph=True,
+                max_pages=batch * self.pages_per_seq))
+        mc = self.model.config
+        step.attn.plan(*zip(*tables), mc.num_qo_heads, mc.num_kv_heads, mc.head_dim, self.page_size,
+                       sm_scale=self.sm_scale, num_pages=self.pool.num_pages, dtype=self.pool.dtype)
+        self._fill(batch, seqs, tables[-1][1])
+        if not self.capture:
+            return self._forward(batch, step.attn)[:n]
+        if step.graph is None:
+            step.graph = self.graphs[key] = self._capture(batch, step.attn)
+        step.graph.replay()
+        return self.logits[:n]
 
-        Flat mode (``levels`` empty) fills the flat table (every row's pages). Cascade mode
-        fills the two levels; the new token is appended through the last level's table
-        (its page is always the row's last), so positions there are relative to the row's
-        first page in that level.
-        """
+    def _fill(self, batch: int, seqs: list[Sequence], own_indptr: torch.Tensor) -> None:
+        """The step's token ids, positions and append slots, padded to ``batch`` rows. The
+        new token goes through the last level's table (``own_indptr``: each row's pages
+        there), so its slot is counted from the row's first page in that table."""
         ps = self.page_size
         n = len(seqs)
-        pad = batch - n
+        pad = [0] * (batch - n)
 
         def put(buf: torch.Tensor, values: list[int]) -> None:
-            if values:
-                buf[:len(values)].copy_(_host_tensor(values, buf.dtype), non_blocking=True)
+            buf[:batch].copy_(_host_tensor(values, buf.dtype), non_blocking=True)
 
-        put(self.input_ids, [s.tokens[-1] for s in seqs] + [0] * pad)
         positions = [s.num_tokens - 1 for s in seqs]
-        put(self.positions, positions + [0] * pad)
-        put(self.append_rows, list(range(n)) + [-1] * pad)
-        if not levels:
-            indptr, indices, last = [0], [], []
-            for s in seqs:
-                indices += s.pages
-                indptr.append(len(indices))
-                last.append(s.num_tokens - (len(s.pages) - 1) * ps)
-            put(self.append_positions, positions + [0] * pad)
-            put(self.flat_indptr, indptr + [indptr[-1]] * pad)
-            put(self.flat_indices, indices)
-            put(self.flat_last, last + [0] * pad)
-            return
-        top, own = levels
-        qo, kv, last = top.qo_indptr.tolist(), top.kv_indptr.tolist(), top.kv_last_page_len.tolist()
-        if pad:  # one more group: the padding rows, without pages
-            qo.append(batch)
-            kv.append(kv[-1])
-            last.append(0)
-        empty = groups + 1 - len(qo)
-        put(self.l0_qo, qo + [batch] * empty)
-        put(self.l0_indptr, kv + [kv[-1]] * empty)
-        put(self.l0_indices, top.kv_indices.tolist())
-        put(self.l0_last, last + [0] * empty)
-        own_indptr = own.kv_indptr.tolist()
-        own_pages = [b - a for a, b in zip(own_indptr[:-1], own_indptr[1:])]
-        put(self.append_positions, [pos - (len(s.pages) - k) * ps for pos, s, k in zip(positions, seqs, own_pages)]
-            + [0] * pad)
-        put(self.l1_indptr, own_indptr + [own_indptr[-1]] * pad)
-        put(self.l1_indices, own.kv_indices.tolist())
-        put(self.l1_last, own.kv_last_page_len.tolist() + [0] * pad)
+        own = own_indptr.tolist()
+        put(self.input_ids, [s.tokens[-1] for s in seqs] + pad)
+        put(self.positions, positions + pad)
+        put(self.append_rows, list(range(n)) + [-1] * (batch - n))
+        put(self.append_positions, [pos - (len(s.pages) - (b - a)) * ps
+                                    for pos, s, a, b in zip(positions, seqs, own, own[1:])] + pad)
 
-    def _attention(self, batch: int, cascade: bool, groups: int):
+    def _forward(self, batch: int, attn: MultiLevelCascadeAttention) -> torch.Tensor:
         pool, layout, scale = self.pool, self.kv_layout, self.sm_scale
         rows, positions = self.append_rows[:batch], self.append_positions[:batch]
-        flat = (self.flat_indptr[:batch + 1], self.flat_indices, self.flat_last[:batch])
-        l0 = (self.l0_qo[:groups + 1], self.l0_indptr[:groups + 1], self.l0_indices, self.l0_last[:groups])
-        l1 = (self.l1_indptr[:batch + 1], self.l1_indices, self.l1_last[:batch])
-        table = l1 if cascade else flat  # where the new token's page is found
+        table = attn.level_table(-1)  # where the new token's page is found
 
         def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             cache = pool.layer(layer)
-            append_paged_kv_cache(k, v, rows, positions, cache, table[1], table[0], table[2], kv_layout=layout,
-                                  validate=False)
-            if not cascade:
-                return batch_decode_paged(q, cache, *flat, kv_layout=layout, sm_scale=scale, validate=False)[0]
-            qo0, kv0, idx0, last0 = l0
-            o0, s0 = batch_prefill_paged(q, qo0, cache, kv0, idx0, last0, causal=False, kv_layout=layout,
-                                         sm_scale=scale, validate=False)
-            o1, s1 = batch_decode_paged(q, cache, *l1, kv_layout=layout, sm_scale=scale, validate=False)
-            return merge_state(o0, s0, o1, s1)[0]
+            append_paged_kv_cache(k, v, rows, positions, cache, table.kv_indices, table.kv_indptr,
+                                  table.kv_last_page_len, kv_layout=layout, validate=False)
+            return attn.run(q, cache, sm_scale=scale)
 
-        return attention
-
-    def _forward(self, batch: int, cascade: bool, groups: int) -> torch.Tensor:
-        attention = self._attention(batch, cascade, groups)
         return self.model(self.input_ids[:batch], self.positions[:batch], attention, None)
 
-    def _capture(self, batch: int, cascade: bool, groups: int) -> torch.cuda.CUDAGraph:
-        empty = HostLevel.from_lists([0], [0], [], [], self.page_size)
-        self._fill(batch, [], [empty, empty] if cascade else [], groups)
-
+    def _capture(self, batch: int, attn: MultiLevelCascadeAttention) -> torch.cuda.CUDAGraph:
         def forward() -> None:
-            self.logits[:batch].copy_(self._forward(batch, cascade, groups))
+            self.logits[:batch].copy_(self._forward(batch, attn))
 
+        # The step itself, once outside the capture: compiles the kernels and records the
+        # cascade's launches (its K/V appends are written again, the same, by the replay).
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            forward()  # compiles the kernels outside the capture
+            forward()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.mempool):
             forward()
         return graph
 
-    def run(self, seqs: list[Sequence], levels: list[HostLevel], cascade: bool) -> torch.Tensor:
-        """Replay (capturing first if new) the step for ``seqs``; float32 logits ``[n, vocab]``."""
-        batch = self.bucket(len(seqs))
-        groups = 1  # level-0 groups, padding rows' group included, rounded up to a power of 2
-        if cascade:
-            groups = min(batch, next_power_of_2(levels[0].num_groups + (batch > len(seqs))))
-        if not self.capture:
-            self._fill(batch, seqs, levels if cascade else [], groups)
-            return self._forward(batch, cascade, groups)[:len(seqs)]
-        key = (batch, cascade, groups)
-        if key not in self.graphs:
-            self.graphs[key] = self._capture(batch, cascade, groups)
-        self._fill(batch, seqs, levels if cascade else [], groups)
-        self.graphs[key].replay()
-        return self.logits[:len(seqs)]
 
+def _flat_level(seqs: list[Sequence], page_size: int) -> HostLevel:
+    """One level of every row's whole page list (flat decode)."""
+    indptr, indices, last = [0], [], []
+    for s in seqs:
+        indices += s.pages
+        indptr.append(len(indices))
+        last.append(s.num_tokens - (len(s.pages) - 1) * page_size)
+    return HostLevel.from_lists(list(range(len(seqs) + 1)), indptr, indices, last, page_size)
+
+
+def _padded(level: HostLevel, batch: int, n: int, *, last: bool) -> tuple[torch.Tensor, ...]:
+    """``level``'s host tables for a batch of ``n`` rows padded to ``batch``: the last level
+    gets a row without pages per padding row; a level above it one group without pages
+    holding the padding rows, then empty groups up to a power of two (capped at ``batch``)."""
+    qo, kv, idx, lens = level.tensors()
+    qo = qo.to(torch.int32)
+    extra = batch - n if last else 0
+    if not last:
+        groups = level.num_groups + (batch > n)
+        extra = min(batch, next_power_of_2(groups)) - level.num_groups
+    if not extra:
+        return qo, kv, idx, lens
+    qo = torch.cat([qo, (torch.arange(1, extra + 1, dtype=torch.int32) + n) if last
+                    else torch.full((extra,), batch, dtype=torch.int32)])
+    return qo, torch.cat([kv, kv[-1:].expand(extra)]), idx, torch.cat([lens, torch.zeros(extra, dtype=torch.int32)])
