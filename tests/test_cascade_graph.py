@@ -131,7 +131,7 @@ def test_captured_run_follows_new_plans(groups, batch):
     cache = torch.randn(num_pages, 2, page, hkv, d, dtype=torch.bfloat16, device=dev)
     q = torch.randn(batch, hq, d, dtype=torch.bfloat16, device=dev)
     out, lse = torch.empty_like(q), torch.empty(batch, hq, device=dev)
-    attn = MultiLevelCascadeAttention(len(groups) + 1, device=dev, use_cuda_graph=True, max_pages=3000)
+    attn = MultiLevelCascadeAttention(len(groups) + 1, device=dev, use_cuda_graph=True, max_pages=batch * 130)
     graph = None
     for step in range(3):
         levels = padded_tree(rng, batch, groups, 2000, num_pages, page)

@@ -539,3 +539,38 @@ def test_realistic_head_dim_on_gpu(tmp_path, device):
                   use_cascade=use_cascade, record_steps=True)
         _check(llm, model, prompts, 8, device)
         assert any(s.graph for s in llm.step_stats)
+
+
+@pytest.mark.parametrize("num_pages", [96, 14])
+def test_overlapped_steps_stop_preempt_and_fork(num_pages, llama, device, torch_path):
+    """Decode steps of the graph path read their input tokens from the previous step's
+    samples on the device while the host reads those samples a step late: requests that
+    sample a stop token mid-batch (one exactly at its length limit), n > 1 samples, and a
+    pool small enough to preempt still give transformers' tokens, and nothing leaks."""
+    from cascadeinfer.engine.model_runner import DecodeGraphs  # noqa: PLC0415
+
+    path, model = llama
+    prompts = SHARED + UNSHARED
+    refs = [hf_greedy(model, p, 8, device) for p in prompts]
+    # Stop tokens taken from each reference: request i stops at its token i + 2, except
+    # request 2, whose limit of 4 tokens is reached at its stop token; request 4 never stops.
+    at = [2, 3, 3, 5]
+    params = []
+    for i, ref in enumerate(refs):
+        stop = [ref[at[i]]] if i < 4 else []
+        params.append(SamplingParams(max_tokens=4 if i == 2 else 8, stop_token_ids=stop, n=2 if i == 1 else 1,
+                                     **GREEDY))
+    llm = _llm(path, device, use_cascade=True, max_graph_batch=8, record_steps=True, num_pages=num_pages)
+    llm.runner.graphs = DecodeGraphs(llm.runner, capture=False)
+    outs = llm.generate(prompts, params)
+    for i, (ref, out) in enumerate(zip(refs, outs)):
+        for sample in out.outputs:
+            if i < 4:
+                end = ref.index(ref[at[i]]) + 1  # the first occurrence of the stop token ends it
+                assert sample.token_ids == ref[:end] and sample.finish_reason == "stop", i
+            else:
+                assert sample.token_ids == ref and sample.finish_reason == "length"
+    assert any(s.graph for s in llm.step_stats)
+    if num_pages == 14:
+        assert llm.num_preemptions > 0
+    _assert_no_leak(llm)

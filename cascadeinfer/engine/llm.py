@@ -22,7 +22,7 @@ from cascadeinfer.engine.model_loader import ModelConfig, load_tokenizer, parse_
 from cascadeinfer.engine.model_runner import ModelRunner, StepStats
 from cascadeinfer.engine.prefix_cache import PrefixCache
 from cascadeinfer.engine.sampling import SamplingParams, sample, sample_seed
-from cascadeinfer.engine.scheduler import Scheduler
+from cascadeinfer.engine.scheduler import ScheduledBatch, Scheduler
 from cascadeinfer.engine.sequence import Sequence
 from cascadeinfer.layouts.pool import PagedKVPool
 
@@ -162,6 +162,7 @@ class LLM:
         self._next_seq = 0
         self.step_stats: list[StepStats] = []
         self._num_requests = self._num_prompt_tokens = self._num_output_tokens = self._num_steps = 0
+        self._pending: _Pending | None = None  # the last step's tokens, not yet read
 
     def _page_bytes(self) -> int:
         mc, cfg = self.model_config, self.config
@@ -265,47 +266,87 @@ class LLM:
         return rid
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._pending is not None
 
     # ---- the loop ----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; returns the outputs of the requests that gained tokens."""
-        if not self.scheduler.has_unfinished():
+        """Run one step; returns the outputs of the requests that gained tokens in the
+        step before it (see :meth:`_step`; the last call returns the last tokens)."""
+        if not self.has_unfinished():
             return []
         with torch.inference_mode():
             return self._step()
 
     def _step(self) -> list[RequestOutput]:
+        """Schedule and enqueue a step, then take in the tokens of the step before it.
+
+        The host never waits for the step it just enqueued: each step's tokens are copied
+        back asynchronously and read at the next step, after that step is on the GPU, so
+        the host's work for step ``n + 1`` (scheduling, grouping, planning, the metadata
+        upload) runs while the GPU computes step ``n``. The scheduler needs only token
+        counts, so a sampled token is a placeholder until it is read; a decode step of the
+        captured-graph path takes its input tokens from the previous step's samples on the
+        device. A step that needs the values on the host (prefill chunks, the eager path)
+        reads the previous tokens first. A sequence that turns out to have sampled a stop
+        token was given a row of the step in flight for nothing; that row's sample is
+        dropped. Outputs therefore trail the GPU by one step.
+        """
         t0 = time.perf_counter()
-        batch = self.scheduler.schedule()
-        if not batch:
-            raise RuntimeError("scheduler: no sequence could be scheduled (the KV pool is too small)")
-        sample_seqs, logits, stats = self.runner.execute(batch)
-        self.scheduler.advance(batch)
+        pending, self._pending = self._pending, None
+        batch = None
+        if self.scheduler.has_unfinished():
+            batch = self.scheduler.schedule()
+            if not batch:
+                raise RuntimeError("scheduler: no sequence could be scheduled (the KV pool is too small)")
+        outputs: list[RequestOutput] = []
+        if pending is not None and not (batch and self.runner.overlappable(batch)):
+            outputs = self._resolve(pending)
+            pending = None
+            batch = _without_finished(batch) if batch else None
+        if not batch:  # nothing left to run, or every scheduled sequence just stopped
+            return outputs
+        sample_seqs, logits, stats = self.runner.execute(batch, pending.tokens_of() if pending else None)
+        if pending is not None:
+            outputs = self._resolve(pending)  # waits for the previous step's copy only
+        self.scheduler.advance(_without_finished(batch))
         targets: list[tuple[Sequence, int]] = []
         for row, seq in enumerate(sample_seqs):
+            if seq.finished:  # sampled a stop token in the previous step: this row was for nothing
+                continue
             targets.append((seq, row))
             if seq.forks:
                 targets += [(child, row) for child in self.scheduler.fork(seq)]
-        if len(targets) != len(sample_seqs):
+        if [r for _, r in targets] != list(range(len(sample_seqs))):
             logits = logits.index_select(0, torch.tensor([r for _, r in targets], device=logits.device))
         rows = [s for s, _ in targets]
-        tokens = sample(logits, [s.params for s in rows], [s.seed for s in rows],
-                        [s.num_tokens - s.prompt_len for s in rows]).tolist()
-        self._num_steps += 1
-        self._num_output_tokens += len(tokens)
-        touched: dict[int, None] = {}
-        for (seq, _), token in zip(targets, tokens):
-            req = self._requests[seq.request_id]
-            seq.tokens.append(token)
-            if token in req.stop_ids:
-                self.scheduler.finish(seq, "stop")
-            elif seq.num_tokens - seq.prompt_len >= seq.params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+        step = _Pending(targets, sample(logits, [s.params for s in rows], [s.seed for s in rows],
+                                        [s.num_tokens - s.prompt_len for s in rows]))
+        for seq in rows:
+            seq.tokens.append(_PLACEHOLDER)
+            # A length limit needs no token value: finish now, so the next step has no row for it.
+            if seq.num_tokens - seq.prompt_len >= seq.params.max_tokens or seq.num_tokens >= self.config.max_model_len:
                 self.scheduler.finish(seq, "length")
-            touched[seq.request_id] = None
-        if self.config.record_steps:  # the device is idle: .tolist() above waited for it
+        self._pending = step
+        self._num_steps += 1
+        self._num_output_tokens += len(rows)
+        if self.config.record_steps:
             self.step_stats.append(replace(stats, seconds=time.perf_counter() - t0))
+        return outputs
+
+    def _resolve(self, pending: _Pending) -> list[RequestOutput]:
+        """Read a step's tokens (waiting for their copy), put them in place of the
+        placeholders, finish the sequences that sampled a stop token; their outputs."""
+        touched: dict[int, None] = {}
+        for (seq, _), token in zip(pending.targets, pending.values()):
+            req = self._requests[seq.request_id]
+            seq.tokens[-1] = token
+            if token in req.stop_ids:
+                if seq.finished:  # finished by its length at this very token: the stop token wins
+                    seq.finish_reason = "stop"
+                else:
+                    self.scheduler.finish(seq, "stop")
+            touched[seq.request_id] = None
         outputs = [self._output(self._requests[rid]) for rid in touched]
         for out in outputs:
             if out.finished:
@@ -436,6 +477,44 @@ class LLM:
             prefill_tokens=sched.num_computed_prompt_tokens, cached_prompt_tokens=sched.num_cached_prompt_tokens,
             computed_tokens=sched.num_computed_tokens, output_tokens=self._num_output_tokens, steps=self._num_steps,
             preemptions=sched.num_preemptions, cache_hit_pages=self.cache.hits, copied_pages=self.cache.copies)
+
+
+_PLACEHOLDER = -1  # a sampled token whose value is still on its way from the device
+
+
+class _Pending:
+    """A step's sampled tokens on their way to the host: ``targets`` pairs each sequence
+    with its row of ``tokens`` (int64 ``[rows]`` on the device); the copy into pinned
+    memory starts at once and is read by :meth:`values`."""
+
+    def __init__(self, targets: list[tuple[Sequence, int]], tokens: torch.Tensor) -> None:
+        self.targets = targets
+        self.device_tokens = tokens
+        self.row_of = {}
+        for index, (seq, _) in enumerate(targets):
+            self.row_of[seq.seq_id] = index
+        if tokens.is_cuda:
+            self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self.host.copy_(tokens, non_blocking=True)
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+        else:
+            self.host, self.copied = tokens, None
+
+    def values(self) -> list[int]:
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.host.tolist()
+
+    def tokens_of(self) -> tuple[torch.Tensor, dict[int, int]]:
+        """The samples on the device and each sequence's index in them, by ``seq_id``."""
+        return self.device_tokens, self.row_of
+
+
+def _without_finished(batch: ScheduledBatch) -> ScheduledBatch:
+    """``batch`` without the sequences that finished after it was scheduled."""
+    return ScheduledBatch([(s, n) for s, n in batch.prefill if not s.finished],
+                          [s for s in batch.decode if not s.finished], batch.preempted)
 
 
 def _progress(total: int):

@@ -144,10 +144,22 @@ class ModelRunner:
             elem_bytes=self.pool.cache.element_size(), device=self.config.device)
         return cascade
 
+    def overlappable(self, batch: ScheduledBatch) -> bool:
+        """Whether :meth:`execute` can take ``batch``'s input tokens from the previous
+        step's samples on the device (a decode step of the captured-graph path)."""
+        return (not batch.prefill and bool(batch.decode) and self.graphs is not None
+                and len(batch.decode) <= self.config.max_graph_batch)
+
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor, StepStats]:
+    def execute(self, batch: ScheduledBatch, previous: tuple[torch.Tensor, dict[int, int]] | None = None
+                ) -> tuple[list[Sequence], torch.Tensor, StepStats]:
         """Run one step. Returns the sequences that sample, in the order of the rows of the
-        float32 logits ``[rows, vocab]``, and the step's statistics. Reads nothing back."""
+        float32 logits ``[rows, vocab]``, and the step's statistics. Reads nothing back.
+
+        ``previous``: the last step's samples on the device and each sequence's index in
+        them (by ``seq_id``), for sequences whose last token the host has not read yet;
+        only for an :meth:`overlappable` batch.
+        """
         ps = self.page_size
         device = self.config.device
         decode_levels: list[HostLevel] = []
@@ -160,9 +172,11 @@ class ModelRunner:
 
         if not batch.prefill and self.graphs is not None and len(decode) <= self.config.max_graph_batch:
             cascade = self.choose_cascade(decode_levels)
-            logits = self.graphs.run(decode, decode_levels, cascade)
+            logits = self.graphs.run(decode, decode_levels, cascade, previous)
             return decode, logits, self._stats(0, decode_levels, cascade, True)
 
+        if previous is not None:
+            raise ValueError("previous: only a decode step of the captured-graph path reads tokens on the device")
         rows = [(s, n) for s, n in batch.prefill] + [(s, 1) for s in decode]
         input_ids, positions, append_rows, kv_indptr, kv_indices, kv_last = [], [], [], [0], [], []
         sample_seqs, sample_index = [], []
@@ -287,8 +301,10 @@ class DecodeGraphs:
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
-    def run(self, seqs: list[Sequence], levels: list[HostLevel], cascade: bool) -> torch.Tensor:
-        """Replay (capturing first if new) the step for ``seqs``; float32 logits ``[n, vocab]``."""
+    def run(self, seqs: list[Sequence], levels: list[HostLevel], cascade: bool,
+            previous: tuple[torch.Tensor, dict[int, int]] | None = None) -> torch.Tensor:
+        """Replay (capturing first if new) the step for ``seqs``; float32 logits ``[n, vocab]``.
+        ``previous``: see :meth:`ModelRunner.execute`."""
         n = len(seqs)
         batch = self.bucket(n)
         if cascade:
@@ -304,7 +320,7 @@ class DecodeGraphs:
         mc = self.model.config
         step.attn.plan(*zip(*tables), mc.num_qo_heads, mc.num_kv_heads, mc.head_dim, self.page_size,
                        sm_scale=self.sm_scale, num_pages=self.pool.num_pages, dtype=self.pool.dtype)
-        self._fill(batch, seqs, tables[-1][1])
+        self._fill(batch, seqs, tables[-1][1], previous)
         if not self.capture:
             return self._forward(batch, step.attn)[:n]
         if step.graph is None:
@@ -312,10 +328,13 @@ class DecodeGraphs:
         step.graph.replay()
         return self.logits[:n]
 
-    def _fill(self, batch: int, seqs: list[Sequence], own_indptr: torch.Tensor) -> None:
+    def _fill(self, batch: int, seqs: list[Sequence], own_indptr: torch.Tensor,
+              previous: tuple[torch.Tensor, dict[int, int]] | None) -> None:
         """The step's token ids, positions and append slots, padded to ``batch`` rows. The
         new token goes through the last level's table (``own_indptr``: each row's pages
-        there), so its slot is counted from the row's first page in that table."""
+        there), so its slot is counted from the row's first page in that table. A row
+        whose last token is still in ``previous`` (its value unread) takes it from there,
+        by a gather on the device."""
         ps = self.page_size
         n = len(seqs)
         pad = [0] * (batch - n)
@@ -325,7 +344,14 @@ class DecodeGraphs:
 
         positions = [s.num_tokens - 1 for s in seqs]
         own = own_indptr.tolist()
-        put(self.input_ids, [s.tokens[-1] for s in seqs] + pad)
+        put(self.input_ids, [max(s.tokens[-1], 0) for s in seqs] + pad)
+        if previous is not None:
+            tokens, row_of = previous
+            rows = [(i, row_of[s.seq_id]) for i, s in enumerate(seqs) if s.seq_id in row_of]
+            if rows:
+                index = _host_tensor([i for i, _ in rows] + [r for _, r in rows], torch.int64)
+                index = index.to(self.device, non_blocking=True)
+                self.input_ids.index_copy_(0, index[:len(rows)], tokens.index_select(0, index[len(rows):]))
         put(self.positions, positions + pad)
         put(self.append_rows, list(range(n)) + [-1] * (batch - n))
         put(self.append_positions, [pos - (len(s.pages) - (b - a)) * ps

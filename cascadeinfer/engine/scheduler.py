@@ -212,6 +212,8 @@ class Scheduler:
         seq.finish_reason = reason
         if seq in self.running:
             self.running.remove(seq)
+        elif seq in self.waiting:  # preempted while its last token was on its way
+            self.waiting.remove(seq)
         self.cache.release(seq.pages)
         self.cache.drop_pending(seq)
         seq.pages = []
