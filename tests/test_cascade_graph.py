@@ -57,6 +57,17 @@ def tables(levels, perm, device, page: int = PAGE):
     return [list(x) for x in zip(*out)]
 
 
+def choices(attn) -> tuple:
+    return attn._overlap, [(lv.decode, lv.num_splits, lv.schedule) for lv in attn._levels]
+
+
+def same_choices(attn, tables_, num_pages, hq=HQ, hkv=HKV, d=D, page=PAGE) -> bool:
+    """The graph-mode plan made the launch choices a plain plan makes for the same tables."""
+    plain = MultiLevelCascadeAttention(attn.num_levels, device=attn.device)
+    plain.plan(*tables_, hq, hkv, d, page, num_pages=num_pages, use_cascade=True)
+    return choices(attn) == choices(plain)
+
+
 def check_against_reference(attn, q, cache, levels, perm, batch, out, lse):
     o_ref, lse_ref = reference(q, unpack_paged_kv_cache(cache, "NHD"), levels, perm, batch, 1, False, D ** -0.5)
     check_close(out, lse, o_ref, lse_ref, q.dtype)
@@ -81,6 +92,7 @@ def test_replans_rewrite_the_same_buffers(device, groups):
         if first_tables is None:
             first_tables = [t.kv_indices.data_ptr() for t in current]
             assert all(t.kv_indices.numel() == 40 for t in current)
+            assert same_choices(attn, tables(levels, perm, device), num_pages)
         assert [t.kv_indices.data_ptr() for t in current] == first_tables
         out.fill_(float("nan"))
         attn.run(q, cache, out=out, lse=lse)
@@ -138,6 +150,8 @@ def test_captured_run_follows_new_plans(groups, batch):
         perm = torch.randperm(num_pages).tolist()
         attn.plan(*tables(levels, perm, dev, page), hq, hkv, d, page, num_pages=num_pages)
         if graph is None:
+            assert same_choices(attn, tables(levels, perm, dev, page), num_pages, hq, hkv, d, page)
+            assert attn._overlap or len(groups) > 1  # two levels: the decode beside the prefix level
             attn.run(q, cache, out=out, lse=lse)  # records outside the capture
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):

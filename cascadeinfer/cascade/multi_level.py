@@ -322,11 +322,13 @@ class MultiLevelCascadeAttention:
                 cascade = True
         self.use_cascade = cascade or self.num_levels == 1
         self._overlap = False
-        if self.use_cuda_graph:
-            self._levels, self._packed = _upload_fixed(levels, self.device, self._capacity, [], None, self._staging)
-            self._fixed = shape
-        elif self.use_cascade:
-            self._levels, self._packed = _upload(levels, self.device, self._levels, self._packed)
+        if self.use_cascade:
+            if self.use_cuda_graph:
+                self._levels, self._packed = _upload_fixed(levels, self.device, self._capacity, [], None,
+                                                           self._staging)
+                self._fixed = shape
+            else:
+                self._levels, self._packed = _upload(levels, self.device, self._levels, self._packed)
             # The decode level runs on a side stream beside the prefill level above it; that
             # level's grid is sized to leave the decode its share of the SMs (from shapes).
             # The planner gives a share only where the prefill level is compute-bound: 64- or

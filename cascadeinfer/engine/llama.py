@@ -210,11 +210,13 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         attention: Attention,
         logits_index: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """float32 logits ``[rows, vocab]`` of the tokens ``logits_index`` (all if None).
 
         ``input_ids``, ``positions``: int64 ``[num_tokens]``; ``attention`` is called once
-        per layer (see :data:`Attention`).
+        per layer (see :data:`Attention`). ``out``: a float32 ``[rows, vocab]`` buffer to
+        write the logits into (the cast from the model's dtype is that one write).
         """
         x = F.embedding(input_ids, self.embed_tokens)
         residual = None
@@ -225,6 +227,8 @@ class LlamaForCausalLM(nn.Module):
             residual = None if residual is None else residual.index_select(0, logits_index)
         x, _ = self.norm.add_norm(x, residual, self.fused)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
+        if out is not None:
+            return out.copy_(F.linear(x, head))
         return F.linear(x, head).float()
 
     # ---- weights ---------------------------------------------------------------------

@@ -368,11 +368,11 @@ class DecodeGraphs:
                                   table.kv_last_page_len, kv_layout=layout, validate=False)
             return attn.run(q, cache, sm_scale=scale)
 
-        return self.model(self.input_ids[:batch], self.positions[:batch], attention, None)
+        return self.model(self.input_ids[:batch], self.positions[:batch], attention, None, out=self.logits[:batch])
 
     def _capture(self, batch: int, attn: MultiLevelCascadeAttention) -> torch.cuda.CUDAGraph:
         def forward() -> None:
-            self.logits[:batch].copy_(self._forward(batch, attn))
+            self._forward(batch, attn)
 
         # The step itself, once outside the capture: compiles the kernels and records the
         # cascade's launches (its K/V appends are written again, the same, by the replay).
