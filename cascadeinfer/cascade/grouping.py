@@ -24,7 +24,10 @@ def group_levels(
     pages collecting the rows that share nothing more; the last level has one group per
     row with its remaining pages. Only full pages ever sit above the last level.
     """
-    shareable = [pages[:-1] for pages in page_lists]
+    # A row's last page is its own (being written): only pages[:-1] can be shared. Rows are
+    # sorted by those (which keeps every set of rows with a common prefix adjacent, all the
+    # cut below needs); the cut then reads the lists in place, up to those lengths.
+    shareable = [len(pages) - 1 for pages in page_lists]  # how many of a row's pages can be shared
     upper: list[list[tuple[int, list[int]]]] = [[] for _ in range(num_levels - 1)]
     order: list[int] = []
     offset_of: dict[int, int] = {}
@@ -36,8 +39,8 @@ def group_levels(
             return
         runs: list[list[int]] = []  # adjacent rows with the same page at `offset`
         for r in rows:
-            if runs and len(shareable[r]) > offset and len(shareable[runs[-1][0]]) > offset \
-                    and shareable[r][offset] == shareable[runs[-1][0]][offset]:
+            if runs and shareable[r] > offset and shareable[runs[-1][0]] > offset \
+                    and page_lists[r][offset] == page_lists[runs[-1][0]][offset]:
                 runs[-1].append(r)
             else:
                 runs.append([r])
@@ -46,9 +49,11 @@ def group_levels(
             if len(run) == 1:
                 rest.extend(run)
                 continue
-            first, last = shareable[run[0]], shareable[run[-1]]  # sorted: their LCP is the run's
+            # Sorted: the run's common prefix is that of its first and last rows.
+            first, last = page_lists[run[0]], page_lists[run[-1]]
+            end = min(shareable[run[0]], shareable[run[-1]])
             lcp = offset
-            while lcp < min(len(first), len(last)) and first[lcp] == last[lcp]:
+            while lcp < end and first[lcp] == last[lcp]:
                 lcp += 1
             upper[level].append((len(run), first[offset:lcp]))
             split(run, lcp, level + 1)
@@ -56,7 +61,7 @@ def group_levels(
             upper[level].append((len(rest), []))
             split(rest, offset, level + 1)
 
-    split(sorted(range(len(page_lists)), key=lambda r: shareable[r]), 0, 0)
+    split(sorted(range(len(page_lists)), key=lambda r: page_lists[r][:-1]), 0, 0)
 
     levels = []
     for groups in upper:
