@@ -204,13 +204,14 @@ def check_page_table_values(
     first, total = int(indptr[0]), int(indptr[-1])
     if first < 0:
         raise ValueError(f"{ip_name}: expected a first entry >= 0, got {first}")
-    check_monotone(ip_name, indptr)
+    rows_pages = np.subtract(indptr[1:], indptr[:-1], dtype=np.int64)  # int64: no overflow
+    if rows_pages.size and rows_pages.min() < 0:
+        check_monotone(ip_name, indptr)  # raises, naming the first drop
     have = indices.shape[0] if num_indices is None else num_indices
     if total > have:
         raise ValueError(f"{ix_name}: has {have} entries but {ip_name}[-1] is {total}")
     _check_page_ids(ix_name, indices if used_only else indices[first:total], first, num_pages)
-    # Monotone from a non-negative start: the differences cannot overflow.
-    _check_last_page_lens(last_name, indptr[1:] - indptr[:-1], last, page_size)
+    _check_last_page_lens(last_name, rows_pages, last, page_size)
 
 
 def _check_page_ids(name: str, used: np.ndarray, first: int, num_pages: int | None) -> None:
