@@ -60,13 +60,17 @@ def _upload(levels: list[LevelArrays], device: torch.device, old: list[_DeviceLe
     """
     host = [a for lv in levels for a in (lv.qo_indptr, lv.kv_indptr, lv.kv_indices, lv.kv_last_page_len)]
     sizes = [a.size for a in host]
-    flat = torch.from_numpy(np.concatenate(host, dtype=np.int32))
     if packed is not None and len(old) == len(levels) and [t.numel() for o in old for t in o.tensors()] == sizes:
-        packed.copy_(flat)  # in place: a graph captured on these buffers sees the new tables
+        # In place: a graph captured on these buffers sees the new tables. A CPU buffer is
+        # written directly (no staging copy, and no torch copy waiting on its thread pool).
+        if packed.device.type == "cpu":
+            np.concatenate(host, out=packed.numpy(), casting="same_kind")
+        else:
+            packed.copy_(torch.from_numpy(np.concatenate(host, dtype=np.int32)))
         for o, lv in zip(old, levels):
             o.decode, o.num_splits, o.schedule = lv.decode, None, None
         return old, packed
-    packed = flat.to(device)
+    packed = torch.from_numpy(np.concatenate(host, dtype=np.int32)).to(device)
     views = list(torch.split(packed, sizes))
     return [_DeviceLevel(views[4 * i], PageTable.trusted(*views[4 * i + 1:4 * i + 4], lv.page_size, lv.num_pages),
                          decode=lv.decode)

@@ -115,8 +115,12 @@ class LevelArrays:
         queries = qo_indptr[1:] - qo_indptr[:-1]
         pages = kv_indptr[1:] - kv_indptr[:-1]
         keys = np.where(pages > 0, (pages - 1) * page_size + kv_last_page_len, 0)
+        # One query per group: as many queries as groups, none of them empty (queries >= 0).
+        # A Python bool: run() branches on it, and torch.compile must see a constant.
+        groups = queries.size
+        decode = int(qo_indptr[-1] - qo_indptr[0]) == groups and int(np.count_nonzero(queries)) == groups
         return cls(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, page_size, num_pages,
-                   queries, pages, keys, bool((queries == 1).all()), parent)
+                   queries, pages, keys, decode, parent)
 
     @classmethod
     def of(cls, level: HostLevel | LevelArrays, page_size: int) -> LevelArrays:
@@ -273,24 +277,26 @@ def flat_page_table(levels: Sequence[HostLevel | LevelArrays], page_size: int) -
     level above the last ends on a partly filled page (its keys then cannot be followed
     by the next level's pages in one table)."""
     levels = [LevelArrays.of(lv, page_size) for lv in levels]
-    above = ancestors(levels)
-    # [levels, last-level groups]: the pages each row takes from each level.
-    pages = np.stack([lv.pages[anc] for lv, anc in zip(levels, above)])
-    has = pages > 0
-    partial = np.stack([lv.kv_last_page_len[anc] != page_size for lv, anc in zip(levels, above)])
-    has_below = np.logical_or.accumulate(has[::-1], axis=0)[::-1][1:]  # pages on some lower level
-    if (has[:-1] & partial[:-1] & has_below).any():
-        return None
-    # A row's last page is that of its lowest level with pages (0 for a row without).
-    last_len = np.zeros(levels[-1].num_groups, dtype=np.int64)
-    for lv, anc, h in zip(levels, above, has):
-        last_len = np.where(h, lv.kv_last_page_len[anc], last_len)
-    indptr = np.zeros(levels[-1].num_groups + 1, dtype=np.int64)
-    np.cumsum(pages.sum(axis=0), out=indptr[1:])
-    # The row-major [groups, levels] runs of the levels' kv_indices, one after the other.
-    base = np.cumsum([0] + [lv.kv_indices.size for lv in levels[:-1]])
-    starts = np.stack([b + lv.kv_indptr[anc] for b, lv, anc in zip(base, levels, above)])
-    indices = _gather_runs(np.concatenate([lv.kv_indices for lv in levels]), starts.T.ravel(), pages.T.ravel())
+    num_rows = levels[-1].num_groups
+    row_pages = np.zeros(num_rows, dtype=np.int64)  # pages of the levels so far, per row
+    last_len = np.zeros(num_rows, dtype=np.int64)  # the last of those pages' length (0: none)
+    starts, lengths = [], []  # per level: where each row's run of it starts in `source`, its pages
+    base = 0  # the level's offset in `source`
+    for lv, anc in zip(levels, ancestors(levels)):
+        pages = lv.pages[anc]
+        has = pages > 0
+        if np.count_nonzero(has & (row_pages > 0) & (last_len != page_size)):
+            return None
+        last_len = np.where(has, lv.kv_last_page_len[anc], last_len)
+        row_pages += pages
+        starts.append(base + lv.kv_indptr[anc])
+        lengths.append(pages)
+        base += lv.kv_indices.size
+    indptr = np.zeros(num_rows + 1, dtype=np.int64)
+    np.cumsum(row_pages, out=indptr[1:])
+    # Row by row, level by level: the runs in the order of the flat table.
+    source = np.concatenate([lv.kv_indices for lv in levels])
+    indices = _gather_runs(source, np.stack(starts, axis=1).ravel(), np.stack(lengths, axis=1).ravel())
     return LevelArrays.build(levels[-1].qo_indptr, indptr, indices, last_len, page_size, levels[-1].num_pages)
 
 
@@ -298,9 +304,12 @@ def _gather_runs(source: np.ndarray, starts: np.ndarray, lengths: np.ndarray) ->
     """``source[starts[i]:starts[i] + lengths[i]]`` for every ``i``, concatenated: one
     index array for all runs instead of a Python loop over them."""
     firsts = np.cumsum(lengths) - lengths  # each run's first position in the output
-    index = np.repeat(starts - firsts, lengths)
-    index += np.arange(index.size)
-    return source[index]
+    total = int(firsts[-1] + lengths[-1]) if lengths.size else 0
+    # int32 positions where they fit: half the bytes through the three passes below.
+    dtype = np.int32 if max(total, source.size) < 2**31 else np.int64
+    index = np.repeat((starts - firsts).astype(dtype), lengths)
+    index += np.arange(total, dtype=dtype)
+    return source.take(index)
 
 
 def choose_cascade(

@@ -441,7 +441,7 @@ def pick_decode_schedule(batch: int, num_kv_heads: int, device: torch.device | s
         if lens.size != batch:
             raise ValueError(f"seq_lens: expected {batch} lengths, got {lens.size}")
         longest = float(lens.max()) if batch else 0.0
-        if longest > 0 and float(lens.mean()) < _MIN_LENGTH_BALANCE * longest:
+        if longest > 0 and float(lens.sum()) / batch < _MIN_LENGTH_BALANCE * longest:
             return "balanced"
     return "per_request"
 

@@ -217,7 +217,12 @@ def check_page_table_values(
 def _check_page_ids(name: str, used: np.ndarray, first: int, num_pages: int | None) -> None:
     """Every used page id (``used``, entries ``first..`` of ``kv_indices``) lies in
     ``[0, num_pages)``, or is non-negative when ``num_pages`` is None."""
-    if used.size == 0 or (used.min() >= 0 and (num_pages is None or used.max() < num_pages)):
+    if used.size == 0:
+        return
+    if num_pages is None:
+        if used.min() >= 0:
+            return
+    elif used.view(f"u{used.itemsize}").max() < num_pages:  # as unsigned, a negative id is past any pool
         return
     bad = used < 0 if num_pages is None else (used < 0) | (used >= num_pages)
     pos = int(bad.argmax())
@@ -230,7 +235,7 @@ def _check_last_page_lens(name: str, rows_pages: np.ndarray, last: np.ndarray, p
     row of the first kind that fails is reported before any row of the second kind."""
     has_pages = rows_pages > 0
     # One pass for the common case: the bounds are [1, page_size] or [0, 0] per row.
-    if not ((last < has_pages) | (last > has_pages * page_size)).any():
+    if not np.count_nonzero((last < has_pages) | (last > has_pages * page_size)):
         return
     bad_full = has_pages & ((last < 1) | (last > page_size))
     if bad_full.any():
