@@ -159,6 +159,8 @@ class MultiLevelCascadeAttention:
                 raise ValueError(f"{name}: expected a positive int, got {x!r}")
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads: {num_qo_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype: expected a torch.dtype, got {dtype!r}")
         levels = check_levels(qo_indptr_arr, kv_indptr_arr, kv_indices_arr, kv_last_page_len_arr,
                               self.num_levels, page_size, num_pages)
         if causal:
@@ -170,7 +172,7 @@ class MultiLevelCascadeAttention:
                     f"its last keys, but group {g} has more queries than keys")
         cascade, self.predicted_cascade_s, self.predicted_flat_s, prefix_share = choose_cascade(
             levels, page_size=page_size, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-            head_dim=head_dim, elem_bytes=torch.empty((), dtype=dtype).element_size(), device=self.device,
+            head_dim=head_dim, elem_bytes=dtype.itemsize, device=self.device,
         )
         if use_cascade is not None:
             cascade = use_cascade

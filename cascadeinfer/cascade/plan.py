@@ -86,10 +86,10 @@ class LevelArrays:
     """One level's page table on the host as numpy arrays, with the per-group counts that
     planning reads (computed once, in :meth:`build`).
 
-    ``qo_indptr`` int64 ``[groups + 1]``; ``kv_indptr`` int64 ``[groups + 1]`` (offsets into
-    ``kv_indices``); ``kv_indices`` int32 or int64 ``[>= kv_indptr[-1]]`` (page ids; may be
-    a view of the caller's tensor, so read it only while planning); ``kv_last_page_len``
-    int64 ``[groups]``; ``page_size``, ``num_pages`` as in :class:`PageTable`. Derived:
+    ``qo_indptr`` ``[groups + 1]``; ``kv_indptr`` ``[groups + 1]`` (offsets into
+    ``kv_indices``); ``kv_indices`` ``[>= kv_indptr[-1]]`` (page ids); ``kv_last_page_len``
+    ``[groups]``: int32 or int64, possibly views of the caller's tensors (read them only
+    while planning); ``page_size``, ``num_pages`` as in :class:`PageTable`. Derived:
     ``queries``, ``pages``, ``keys`` int64 ``[groups]`` per group; ``decode`` when every
     group has one query; ``parent`` int64 ``[groups]``, the group of the level above that
     holds each group (None for the top level, or before :func:`check_levels` nests them).
@@ -111,14 +111,14 @@ class LevelArrays:
     def build(cls, qo_indptr: np.ndarray, kv_indptr: np.ndarray, kv_indices: np.ndarray,
               kv_last_page_len: np.ndarray, page_size: int, num_pages: int | None,
               parent: np.ndarray | None = None) -> LevelArrays:
-        """From int64 indptrs and lengths of a table that passed the page-table rule."""
-        queries = qo_indptr[1:] - qo_indptr[:-1]
-        pages = kv_indptr[1:] - kv_indptr[:-1]
+        """From the tables of a level that passed the page-table rule (the counts in int64)."""
+        queries = np.subtract(qo_indptr[1:], qo_indptr[:-1], dtype=np.int64)
+        pages = np.subtract(kv_indptr[1:], kv_indptr[:-1], dtype=np.int64)
         keys = np.where(pages > 0, (pages - 1) * page_size + kv_last_page_len, 0)
         # One query per group: as many queries as groups, none of them empty (queries >= 0).
         # A Python bool: run() branches on it, and torch.compile must see a constant.
         groups = queries.size
-        decode = int(qo_indptr[-1] - qo_indptr[0]) == groups and int(np.count_nonzero(queries)) == groups
+        decode = int(qo_indptr[-1]) - int(qo_indptr[0]) == groups and int(np.count_nonzero(queries)) == groups
         return cls(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, page_size, num_pages,
                    queries, pages, keys, decode, parent)
 
@@ -127,22 +127,22 @@ class LevelArrays:
         """A :class:`HostLevel`'s tables as arrays (its keys counted with ``page_size``)."""
         if isinstance(level, LevelArrays):
             return level
-        i64 = lambda t: t.numpy(force=True).astype(np.int64)  # noqa: E731
-        return cls.build(i64(level.qo_indptr), i64(level.kv_indptr), level.kv_indices.numpy(force=True),
-                         i64(level.kv_last_page_len), page_size, level.table.num_pages,
-                         None if level.parent is None else i64(level.parent))
+        host = lambda t: t.numpy(force=True)  # noqa: E731
+        return cls.build(host(level.qo_indptr), host(level.kv_indptr), host(level.kv_indices),
+                         host(level.kv_last_page_len), page_size, level.table.num_pages,
+                         None if level.parent is None else host(level.parent))
 
     @property
     def num_groups(self) -> int:
         return self.qo_indptr.size - 1
 
     def host_level(self) -> HostLevel:
-        """As a :class:`HostLevel`: its own int64 ``qo_indptr`` and int32 table tensors."""
+        """As a :class:`HostLevel`: copies, an int64 ``qo_indptr`` and an int32 table."""
         i32 = lambda a: torch.from_numpy(a.astype(np.int32))  # noqa: E731
         table = PageTable.trusted(i32(self.kv_indptr), i32(self.kv_indices), i32(self.kv_last_page_len),
                                   self.page_size, self.num_pages)
-        parent = None if self.parent is None else torch.from_numpy(self.parent)
-        return HostLevel(torch.from_numpy(self.qo_indptr), table, parent)
+        parent = None if self.parent is None else torch.from_numpy(self.parent.astype(np.int64))
+        return HostLevel(torch.from_numpy(self.qo_indptr.astype(np.int64)), table, parent)
 
 
 def _to_host(name: str, t: object) -> np.ndarray:
@@ -158,16 +158,14 @@ def _to_host(name: str, t: object) -> np.ndarray:
         raise TypeError(f"{name}: expected a 1-D int32 tensor or a sequence of ints") from exc
 
 
-def _check_qo_indptr(name: str, qo: np.ndarray) -> np.ndarray:
-    """A query indptr: at least one entry, starts at 0, non-decreasing. Returns it as int64."""
+def _check_qo_indptr(name: str, qo: np.ndarray) -> None:
+    """A query indptr: at least one entry, starts at 0, non-decreasing."""
     if qo.size == 0:
         raise ValueError(f"{name}: expected at least one entry (an indptr of n groups has n + 1)")
     if int(qo[0]) != 0:
         raise ValueError(f"{name}: expected the first entry to be 0, got {int(qo[0])}")
-    qo = qo.astype(np.int64)
-    if qo.size > 1 and (qo[1:] - qo[:-1]).min() < 0:
+    if np.count_nonzero(qo[1:] < qo[:-1]):
         check_monotone(name, qo)  # raises, naming the first drop
-    return qo
 
 
 def check_levels(
@@ -195,7 +193,7 @@ def check_levels(
         qo = _to_host(f"qo_indptr_arr[{lv}]", qo_indptr_arr[lv])
         kp, ki, kl = (_to_host(name, arr[lv]) for name, arr in zip(
             names, (kv_indptr_arr, kv_indices_arr, kv_last_page_len_arr)))
-        qo = _check_qo_indptr(f"qo_indptr_arr[{lv}]", qo)
+        _check_qo_indptr(f"qo_indptr_arr[{lv}]", qo)
         groups = qo.size - 1
         if kp.size != groups + 1 or kl.size != groups:
             raise ValueError(
@@ -209,10 +207,10 @@ def check_levels(
                 f"got {int(qo[-1])}"
             )
         # The plan reads only the used entries, counted from 0 (the rule lets kv_indices
-        # run past kv_indptr[-1] and kv_indptr start past 0); int64 copies of the rest.
+        # run past kv_indptr[-1] and kv_indptr start past 0).
         first = int(kp[0])
-        levels.append(LevelArrays.build(qo, kp.astype(np.int64) - first, ki[first:int(kp[-1])],
-                                        kl.astype(np.int64), page_size, num_pages))
+        levels.append(LevelArrays.build(qo, kp - first if first else kp, ki[first:int(kp[-1])], kl,
+                                        page_size, num_pages))
     for lv in range(1, num_levels):
         levels[lv].parent = parent_of(levels[lv - 1], levels[lv], lv)
     return levels
@@ -289,7 +287,7 @@ def flat_page_table(levels: Sequence[HostLevel | LevelArrays], page_size: int) -
             return None
         last_len = np.where(has, lv.kv_last_page_len[anc], last_len)
         row_pages += pages
-        starts.append(base + lv.kv_indptr[anc])
+        starts.append(np.add(lv.kv_indptr[anc], base, dtype=np.int64))
         lengths.append(pages)
         base += lv.kv_indices.size
     indptr = np.zeros(num_rows + 1, dtype=np.int64)
