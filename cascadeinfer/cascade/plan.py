@@ -273,7 +273,12 @@ def level_shapes(levels: Sequence[HostLevel | LevelArrays], page_size: int) -> l
 def flat_page_table(levels: Sequence[HostLevel | LevelArrays], page_size: int) -> LevelArrays | None:
     """Each last-level group's full page list (all levels concatenated), or None when some
     level above the last ends on a partly filled page (its keys then cannot be followed
-    by the next level's pages in one table)."""
+    by the next level's pages in one table).
+
+    The result has the last level's ``qo_indptr`` and one row per last-level group:
+    ``kv_indptr`` int64 ``[groups + 1]``, ``kv_indices`` ``[kv_indptr[-1]]`` (the levels'
+    dtype), ``kv_last_page_len`` int64 ``[groups]``.
+    """
     levels = [LevelArrays.of(lv, page_size) for lv in levels]
     num_rows = levels[-1].num_groups
     row_pages = np.zeros(num_rows, dtype=np.int64)  # pages of the levels so far, per row
@@ -283,6 +288,7 @@ def flat_page_table(levels: Sequence[HostLevel | LevelArrays], page_size: int) -
     for lv, anc in zip(levels, ancestors(levels)):
         pages = lv.pages[anc]
         has = pages > 0
+        # A level's pages can follow those of the levels above only after a full page.
         if np.count_nonzero(has & (row_pages > 0) & (last_len != page_size)):
             return None
         last_len = np.where(has, lv.kv_last_page_len[anc], last_len)
@@ -298,13 +304,20 @@ def flat_page_table(levels: Sequence[HostLevel | LevelArrays], page_size: int) -
     return LevelArrays.build(levels[-1].qo_indptr, indptr, indices, last_len, page_size, levels[-1].num_pages)
 
 
+_INT32_POSITIONS = 2**31  # positions below this fit in int32
+
+
 def _gather_runs(source: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """``source[starts[i]:starts[i] + lengths[i]]`` for every ``i``, concatenated: one
-    index array for all runs instead of a Python loop over them."""
+    index array for all runs instead of a Python loop over them.
+
+    ``source`` ``[n]``; ``starts``, ``lengths`` int64 ``[runs]``; returns
+    ``[lengths.sum()]`` of ``source``'s dtype.
+    """
     firsts = np.cumsum(lengths) - lengths  # each run's first position in the output
     total = int(firsts[-1] + lengths[-1]) if lengths.size else 0
     # int32 positions where they fit: half the bytes through the three passes below.
-    dtype = np.int32 if max(total, source.size) < 2**31 else np.int64
+    dtype = np.int32 if max(total, source.size) < _INT32_POSITIONS else np.int64
     index = np.repeat((starts - firsts).astype(dtype), lengths)
     index += np.arange(total, dtype=dtype)
     return source.take(index)
