@@ -233,7 +233,7 @@ def host_levels(
 def parent_of(upper: LevelArrays, lower: LevelArrays, lv: int) -> np.ndarray:
     """Index of the group of ``upper`` holding each group of ``lower`` (nesting check), int64."""
     starts, ends = lower.qo_indptr[:-1], lower.qo_indptr[1:]
-    parent = np.searchsorted(upper.qo_indptr, starts, side="right") - 1
+    parent = upper.qo_indptr.searchsorted(starts, side="right") - 1
     # Empty groups at the very end start past every group above: they take the last one.
     parent = np.minimum(parent, upper.num_groups - 1)
     inside = (ends <= upper.qo_indptr[parent + 1]) | (ends == starts)
