@@ -177,7 +177,7 @@ def outcome(*args, **kwargs) -> str:
     return "ok"
 
 
-@pytest.mark.parametrize("num_pages", [6, None])
+@pytest.mark.parametrize("num_pages", [6, None, 2**40])
 def test_page_table_rule_on_numpy_arrays_as_on_tensors(num_pages):
     cases = [
         ([0, 2, 3], [4, 5, 1], [16, 2]),  # valid
@@ -195,6 +195,8 @@ def test_page_table_rule_on_numpy_arrays_as_on_tensors(num_pages):
         assert len(results) == 1, results
     assert outcome(np.array([0, 2, 3]), np.array([4, -1, 1], dtype=np.int32), np.array([16, 2]), 16, 6) == (
         "kv_indices: index -1 at position 1 is outside the pool of 6 pages")
+    assert outcome(np.array([0, 2]), np.array([4, -1], dtype=np.int32), np.array([16]), 16, 2**40) == (
+        f"kv_indices: index -1 at position 1 is outside the pool of {2**40} pages")
 
 
 def test_pick_decode_schedule_takes_numpy_lengths():

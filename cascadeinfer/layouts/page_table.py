@@ -222,8 +222,12 @@ def _check_page_ids(name: str, used: np.ndarray, first: int, num_pages: int | No
     if num_pages is None:
         if used.min() >= 0:
             return
-    elif used.view(f"u{used.itemsize}").max() < num_pages:  # as unsigned, a negative id is past any pool
-        return
+    else:
+        # One pass: as unsigned, a negative id is at least 2**(bits - 1), past any id the
+        # dtype can hold, so one max bounds both ends.
+        bits = 8 * used.itemsize
+        if used.view(f"u{used.itemsize}").max() < min(num_pages, 2 ** (bits - 1)):
+            return
     bad = used < 0 if num_pages is None else (used < 0) | (used >= num_pages)
     pos = int(bad.argmax())
     where = "negative" if num_pages is None else f"outside the pool of {num_pages} pages"
