@@ -256,6 +256,7 @@ def ancestors(levels: list[LevelArrays]) -> list[np.ndarray]:
 
 
 def level_shapes(levels: Sequence[HostLevel | LevelArrays], page_size: int) -> list[LevelShape]:
+    """What each level costs, for :func:`~cascadeinfer.cascade.cost.predict_seconds`."""
     levels = [LevelArrays.of(lv, page_size) for lv in levels]
     return [
         LevelShape(
