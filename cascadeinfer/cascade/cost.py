@@ -14,6 +14,7 @@ the H100 shapes re-measured then). benchmarks/NOTES.md, "Planner v3".
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -44,12 +45,21 @@ class DeviceModel:
     @staticmethod
     def for_device(device: torch.device | None) -> "DeviceModel":
         if device is None or device.type != "cuda":
-            return DeviceModel()
-        props = torch.cuda.get_device_properties(device)
-        l2 = getattr(props, "L2_cache_size", 50 * 2**20)
-        if "H200" in props.name:
-            return DeviceModel(copy_bandwidth=4.25e12, matmul_rate=6.83e14, l2_bytes=l2)
-        return DeviceModel(l2_bytes=l2)
+            return _DEFAULT_MODEL
+        return _cuda_model(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.cache
+def _cuda_model(index: int) -> DeviceModel:
+    """The model of CUDA device ``index`` (read once: a planner asks on every re-plan)."""
+    props = torch.cuda.get_device_properties(index)
+    l2 = getattr(props, "L2_cache_size", 50 * 2**20)
+    if "H200" in props.name:
+        return DeviceModel(copy_bandwidth=4.25e12, matmul_rate=6.83e14, l2_bytes=l2)
+    return DeviceModel(l2_bytes=l2)
+
+
+_DEFAULT_MODEL = DeviceModel()
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,6 +20,7 @@ import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from cascadeinfer._checks import (
@@ -30,7 +31,7 @@ from cascadeinfer._checks import (
     normalize_device,
     use_triton,
 )
-from cascadeinfer.cascade.plan import HostLevel, LevelTensors, choose_cascade, flat_page_table, host_levels
+from cascadeinfer.cascade.plan import LevelArrays, LevelTensors, check_levels, choose_cascade, flat_page_table
 from cascadeinfer.kernels.decode import batch_decode_paged, pick_decode_schedule
 from cascadeinfer.kernels.launch import LaunchCache, Recording, call_key, recording
 from cascadeinfer.kernels.merge import merge_state
@@ -53,27 +54,30 @@ class _DeviceLevel(LevelTensors):
     schedule: str | None = None  # decode levels: batch_decode_paged's schedule (None: from shapes)
 
 
-def _upload(levels: list[HostLevel], device: torch.device, old: list[_DeviceLevel],
+def _upload(levels: list[LevelArrays], device: torch.device, old: list[_DeviceLevel],
             packed: torch.Tensor | None) -> tuple[list[_DeviceLevel], torch.Tensor]:
-    """The levels' int32 tables on ``device``, all in one buffer (one host-to-device copy).
+    """The levels' tables as int32 on ``device``, all in one buffer (one host-to-device copy).
 
     When every table has the shape it had in ``old``, the copy goes into the same buffer,
     so a graph captured on these tensors sees the new tables, and ``old`` is returned.
     """
-    host = [t for lv in levels for t in (lv.qo_indptr, lv.kv_indptr, lv.kv_indices, lv.kv_last_page_len)]
-    sizes = [t.numel() for t in host]
-    flat = torch.cat(host).to(torch.int32)
-    decode = [bool((lv.qo_indptr[1:] - lv.qo_indptr[:-1] == 1).all()) for lv in levels]
+    host = [a for lv in levels for a in (lv.qo_indptr, lv.kv_indptr, lv.kv_indices, lv.kv_last_page_len)]
+    sizes = [a.size for a in host]
     if packed is not None and len(old) == len(levels) and [t.numel() for o in old for t in o.tensors()] == sizes:
-        packed.copy_(flat)  # in place: a graph captured on these buffers sees the new tables
-        for o, d in zip(old, decode):
-            o.decode, o.num_splits, o.schedule = d, None, None
+        # In place: a graph captured on these buffers sees the new tables. A CPU buffer is
+        # written directly (no staging copy, and no torch copy waiting on its thread pool).
+        if packed.device.type == "cpu":
+            np.concatenate(host, out=packed.numpy(), casting="same_kind")
+        else:
+            packed.copy_(torch.from_numpy(np.concatenate(host, dtype=np.int32)))
+        for o, lv in zip(old, levels):
+            o.decode, o.num_splits, o.schedule = lv.decode, None, None
         return old, packed
-    packed = flat.to(device)
+    packed = torch.from_numpy(np.concatenate(host, dtype=np.int32)).to(device)
     views = list(torch.split(packed, sizes))
-    return [_DeviceLevel(views[4 * i], PageTable.trusted(*views[4 * i + 1:4 * i + 4], lv.table.page_size,
-                                                         lv.table.num_pages), decode=d)
-            for i, (lv, d) in enumerate(zip(levels, decode))], packed
+    return [_DeviceLevel(views[4 * i], PageTable.trusted(*views[4 * i + 1:4 * i + 4], lv.page_size, lv.num_pages),
+                         decode=lv.decode)
+            for i, lv in enumerate(levels)], packed
 
 
 class _Staging:
@@ -283,13 +287,14 @@ class MultiLevelCascadeAttention:
                 raise ValueError(f"{name}: expected a positive int, got {x!r}")
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads: {num_qo_heads} is not a multiple of num_kv_heads={num_kv_heads}")
-        levels = host_levels(qo_indptr_arr, kv_indptr_arr, kv_indices_arr, kv_last_page_len_arr,
-                             self.num_levels, page_size, num_pages)
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype: expected a torch.dtype, got {dtype!r}")
+        levels = check_levels(qo_indptr_arr, kv_indptr_arr, kv_indices_arr, kv_last_page_len_arr,
+                              self.num_levels, page_size, num_pages)
         if causal:
-            last = levels[-1]
-            short = (last.qo_indptr[1:] - last.qo_indptr[:-1]) > last.kv_lens(page_size)
-            if bool(short.any()):
-                g = int(torch.nonzero(short)[0])
+            short = levels[-1].queries > levels[-1].keys
+            if short.any():
+                g = int(short.argmax())
                 raise ValueError(
                     f"qo_indptr_arr[{self.num_levels - 1}]: with causal=True each last-level group's queries must be "
                     f"its last keys, but group {g} has more queries than keys")
@@ -309,7 +314,7 @@ class MultiLevelCascadeAttention:
             use_cascade = True
         cascade, self.predicted_cascade_s, self.predicted_flat_s, prefix_share = choose_cascade(
             levels, page_size=page_size, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-            head_dim=head_dim, elem_bytes=torch.empty((), dtype=dtype).element_size(), device=self.device,
+            head_dim=head_dim, elem_bytes=dtype.itemsize, device=self.device,
         )
         if use_cascade is not None:
             cascade = use_cascade
@@ -339,7 +344,7 @@ class MultiLevelCascadeAttention:
                 pre = levels[-2]
                 self._levels[-2].num_splits = paged_num_splits(
                     int(pre.qo_indptr[-1]), pre.num_groups, num_qo_heads, num_kv_heads, head_dim, dtype,
-                    pre.kv_indices.numel() * page_size, self.device, sm_share=prefix_share)
+                    pre.kv_indices.size * page_size, self.device, sm_share=prefix_share)
         else:
             (self._flat,), self._packed_flat = _upload(
                 [flat], self.device, [self._flat] if self._flat else [], self._packed_flat)
@@ -349,12 +354,12 @@ class MultiLevelCascadeAttention:
         if dev_level.decode:
             dev_level.schedule = pick_decode_schedule(
                 host_level.num_groups, num_kv_heads, self.device, head_dim=head_dim, dtype=dtype,
-                seq_lens=host_level.kv_lens(page_size))
+                seq_lens=host_level.keys)
         self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size = num_qo_heads, num_kv_heads, head_dim, page_size
         self.num_tokens = int(levels[0].qo_indptr[-1])
         self.causal = bool(causal)
         self.sm_scale = default_sm_scale(head_dim, sm_scale)
-        self.pages_needed = max((int(lv.kv_indices.max()) + 1 for lv in levels if lv.kv_indices.numel()), default=0)
+        self.pages_needed = max((int(lv.kv_indices.max()) + 1 for lv in levels if lv.kv_indices.size), default=0)
         signature = self._signature()
         if signature != self._launch_signature:
             buffers = (self._packed, self._packed_flat)

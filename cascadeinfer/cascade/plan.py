@@ -5,13 +5,17 @@ A level is a batch of groups: the queries ``q[qo_indptr[g]:qo_indptr[g+1]]`` of 
 ``g`` attend to the pages of row ``g`` of the level's CSR page table. Every level
 partitions the same query tokens, and each group of a lower level lies inside one group
 of every level above it (a tree: system prompt → few-shot block → request suffix).
+
+Planning reads the host tables as numpy arrays (:class:`LevelArrays`): a level has a few
+hundred groups, where a numpy op costs well under a microsecond and a torch op several.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from cascadeinfer.cascade.cost import DeviceModel, LevelShape, predict_seconds, prefix_sm_fraction, side_stream_runs
@@ -77,24 +81,139 @@ class HostLevel(LevelTensors):
         return int(self.kv_lens(page_size).sum())
 
 
-def _to_host(name: str, t: object) -> torch.Tensor:
+@dataclass(slots=True, eq=False)
+class LevelArrays:
+    """One level's page table on the host as numpy arrays, with the per-group counts that
+    planning reads (computed once, in :meth:`build`).
+
+    ``qo_indptr`` ``[groups + 1]``; ``kv_indptr`` ``[groups + 1]`` (offsets into
+    ``kv_indices``); ``kv_indices`` ``[>= kv_indptr[-1]]`` (page ids); ``kv_last_page_len``
+    ``[groups]``: int32 or int64, possibly views of the caller's tensors (read them only
+    while planning); ``page_size``, ``num_pages`` as in :class:`PageTable`. Derived:
+    ``queries``, ``pages``, ``keys`` int64 ``[groups]`` per group; ``decode`` when every
+    group has one query; ``parent`` int64 ``[groups]``, the group of the level above that
+    holds each group (None for the top level, or before :func:`check_levels` nests them).
+    """
+
+    qo_indptr: np.ndarray
+    kv_indptr: np.ndarray
+    kv_indices: np.ndarray
+    kv_last_page_len: np.ndarray
+    page_size: int
+    num_pages: int | None
+    queries: np.ndarray
+    pages: np.ndarray
+    keys: np.ndarray
+    decode: bool
+    parent: np.ndarray | None = None
+
+    @classmethod
+    def build(cls, qo_indptr: np.ndarray, kv_indptr: np.ndarray, kv_indices: np.ndarray,
+              kv_last_page_len: np.ndarray, page_size: int, num_pages: int | None,
+              parent: np.ndarray | None = None) -> LevelArrays:
+        """From the tables of a level that passed the page-table rule (the counts in int64)."""
+        queries = np.subtract(qo_indptr[1:], qo_indptr[:-1], dtype=np.int64)
+        pages = np.subtract(kv_indptr[1:], kv_indptr[:-1], dtype=np.int64)
+        keys = np.where(pages > 0, (pages - 1) * page_size + kv_last_page_len, 0)
+        # One query per group: as many queries as groups, none of them empty (queries >= 0).
+        # A Python bool: run() branches on it, and torch.compile must see a constant.
+        groups = queries.size
+        decode = int(qo_indptr[-1]) - int(qo_indptr[0]) == groups and int(np.count_nonzero(queries)) == groups
+        return cls(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, page_size, num_pages,
+                   queries, pages, keys, decode, parent)
+
+    @classmethod
+    def of(cls, level: HostLevel | LevelArrays, page_size: int) -> LevelArrays:
+        """A :class:`HostLevel`'s tables as arrays (its keys counted with ``page_size``)."""
+        if isinstance(level, LevelArrays):
+            return level
+        host = lambda t: t.numpy(force=True)  # noqa: E731
+        return cls.build(host(level.qo_indptr), host(level.kv_indptr), host(level.kv_indices),
+                         host(level.kv_last_page_len), page_size, level.table.num_pages,
+                         None if level.parent is None else host(level.parent))
+
+    @property
+    def num_groups(self) -> int:
+        return self.qo_indptr.size - 1
+
+    def host_level(self) -> HostLevel:
+        """As a :class:`HostLevel`: copies, an int64 ``qo_indptr`` and an int32 table."""
+        i32 = lambda a: torch.from_numpy(a.astype(np.int32))  # noqa: E731
+        table = PageTable.trusted(i32(self.kv_indptr), i32(self.kv_indices), i32(self.kv_last_page_len),
+                                  self.page_size, self.num_pages)
+        parent = None if self.parent is None else torch.from_numpy(self.parent.astype(np.int64))
+        return HostLevel(torch.from_numpy(self.qo_indptr.astype(np.int64)), table, parent)
+
+
+def _to_host(name: str, t: object) -> np.ndarray:
+    """A level's tensor (int32 or int64, 1-D) or sequence of ints as a host numpy array:
+    a view of a CPU tensor, a copy from another device."""
     if isinstance(t, torch.Tensor):
         if t.dtype not in (torch.int32, torch.int64) or t.dim() != 1:
             raise TypeError(f"{name}: expected a 1-D int32 tensor, got {t.dtype} of shape {list(t.shape)}")
-        return t.detach().to("cpu", torch.int64)
+        return t.numpy(force=True)
     try:
-        return torch.as_tensor(list(t), dtype=torch.int64)
+        return torch.as_tensor(list(t), dtype=torch.int64).numpy()
     except (TypeError, ValueError) as exc:
         raise TypeError(f"{name}: expected a 1-D int32 tensor or a sequence of ints") from exc
 
 
-def _check_qo_indptr(name: str, qo: torch.Tensor) -> None:
-    """A query indptr: at least one entry, starts at 0, non-decreasing (host tensor)."""
-    if qo.numel() == 0:
+def _check_qo_indptr(name: str, qo: np.ndarray) -> None:
+    """A query indptr: at least one entry, starts at 0, non-decreasing."""
+    if qo.size == 0:
         raise ValueError(f"{name}: expected at least one entry (an indptr of n groups has n + 1)")
     if int(qo[0]) != 0:
         raise ValueError(f"{name}: expected the first entry to be 0, got {int(qo[0])}")
-    check_monotone(name, qo)
+    if np.count_nonzero(qo[1:] < qo[:-1]):
+        check_monotone(name, qo)  # raises, naming the first drop
+
+
+def check_levels(
+    qo_indptr_arr: Sequence,
+    kv_indptr_arr: Sequence,
+    kv_indices_arr: Sequence,
+    kv_last_page_len_arr: Sequence,
+    num_levels: int,
+    page_size: int,
+    num_pages: int | None,
+) -> list[LevelArrays]:
+    """Validate every level's metadata on the host; raise naming the argument and level.
+
+    Returns each level's used tables (``kv_indptr`` counted from 0, ``kv_indices`` only the
+    entries it reads) with the parents of every level below the first.
+    """
+    for name, arr in (("qo_indptr_arr", qo_indptr_arr), ("kv_indptr_arr", kv_indptr_arr),
+                      ("kv_indices_arr", kv_indices_arr), ("kv_last_page_len_arr", kv_last_page_len_arr)):
+        if not isinstance(arr, (list, tuple)) or len(arr) != num_levels:
+            got = len(arr) if isinstance(arr, (list, tuple)) else type(arr).__name__
+            raise ValueError(f"{name}: expected a list of {num_levels} tensors (one per level), got {got}")
+    levels: list[LevelArrays] = []
+    for lv in range(num_levels):
+        names = (f"kv_indptr_arr[{lv}]", f"kv_indices_arr[{lv}]", f"kv_last_page_len_arr[{lv}]")
+        qo = _to_host(f"qo_indptr_arr[{lv}]", qo_indptr_arr[lv])
+        kp, ki, kl = (_to_host(name, arr[lv]) for name, arr in zip(
+            names, (kv_indptr_arr, kv_indices_arr, kv_last_page_len_arr)))
+        _check_qo_indptr(f"qo_indptr_arr[{lv}]", qo)
+        groups = qo.size - 1
+        if kp.size != groups + 1 or kl.size != groups:
+            raise ValueError(
+                f"kv_indptr_arr[{lv}] / kv_last_page_len_arr[{lv}]: level {lv} has {groups} query groups, "
+                f"so expected {groups + 1} and {groups} entries, got {kp.size} and {kl.size}"
+            )
+        check_page_table_values(kp, ki, kl, page_size, num_pages, names=names)
+        if lv and int(qo[-1]) != int(levels[0].qo_indptr[-1]):
+            raise ValueError(
+                f"qo_indptr_arr[{lv}]: every level must cover the same {int(levels[0].qo_indptr[-1])} query tokens, "
+                f"got {int(qo[-1])}"
+            )
+        # The plan reads only the used entries, counted from 0 (the rule lets kv_indices
+        # run past kv_indptr[-1] and kv_indptr start past 0).
+        first = int(kp[0])
+        levels.append(LevelArrays.build(qo, kp - first if first else kp, ki[first:int(kp[-1])], kl,
+                                        page_size, num_pages))
+    for lv in range(1, num_levels):
+        levels[lv].parent = parent_of(levels[lv - 1], levels[lv], lv)
+    return levels
 
 
 def host_levels(
@@ -106,50 +225,20 @@ def host_levels(
     page_size: int,
     num_pages: int | None,
 ) -> list[HostLevel]:
-    """Validate every level's metadata on the host; raise naming the argument and level."""
-    for name, arr in (("qo_indptr_arr", qo_indptr_arr), ("kv_indptr_arr", kv_indptr_arr),
-                      ("kv_indices_arr", kv_indices_arr), ("kv_last_page_len_arr", kv_last_page_len_arr)):
-        if not isinstance(arr, (list, tuple)) or len(arr) != num_levels:
-            got = len(arr) if isinstance(arr, (list, tuple)) else type(arr).__name__
-            raise ValueError(f"{name}: expected a list of {num_levels} tensors (one per level), got {got}")
-    levels = []
-    for lv in range(num_levels):
-        names = (f"kv_indptr_arr[{lv}]", f"kv_indices_arr[{lv}]", f"kv_last_page_len_arr[{lv}]")
-        qo = _to_host(f"qo_indptr_arr[{lv}]", qo_indptr_arr[lv])
-        kp, ki, kl = (_to_host(name, arr[lv]) for name, arr in zip(
-            names, (kv_indptr_arr, kv_indices_arr, kv_last_page_len_arr)))
-        _check_qo_indptr(f"qo_indptr_arr[{lv}]", qo)
-        groups = qo.numel() - 1
-        if kp.numel() != groups + 1 or kl.numel() != groups:
-            raise ValueError(
-                f"kv_indptr_arr[{lv}] / kv_last_page_len_arr[{lv}]: level {lv} has {groups} query groups, "
-                f"so expected {groups + 1} and {groups} entries, got {kp.numel()} and {kl.numel()}"
-            )
-        check_page_table_values(kp, ki, kl, page_size, num_pages, names=names)
-        if lv and int(qo[-1]) != int(levels[0].qo_indptr[-1]):
-            raise ValueError(
-                f"qo_indptr_arr[{lv}]: every level must cover the same {int(levels[0].qo_indptr[-1])} query tokens, "
-                f"got {int(qo[-1])}"
-            )
-        # The plan keeps its own copy of the used entries, counted from 0 (the rule lets
-        # kv_indices run past kv_indptr[-1] and kv_indptr start past 0).
-        first = int(kp[0])
-        i32 = torch.int32
-        levels.append(HostLevel(qo, PageTable.trusted((kp - first).to(i32), ki[first:int(kp[-1])].to(i32), kl.to(i32),
-                                                      page_size, num_pages)))
-    for lv in range(1, num_levels):
-        levels[lv] = replace(levels[lv], parent=parent_of(levels[lv - 1], levels[lv], lv))
-    return levels
+    """:func:`check_levels`, as :class:`HostLevel` tensors (int32 tables counted from 0)."""
+    return [lv.host_level() for lv in check_levels(qo_indptr_arr, kv_indptr_arr, kv_indices_arr,
+                                                    kv_last_page_len_arr, num_levels, page_size, num_pages)]
 
 
-def parent_of(upper: HostLevel, lower: HostLevel, lv: int) -> torch.Tensor:
-    """Index of the group of ``upper`` holding each group of ``lower`` (nesting check)."""
+def parent_of(upper: LevelArrays, lower: LevelArrays, lv: int) -> np.ndarray:
+    """Index of the group of ``upper`` holding each group of ``lower`` (nesting check), int64."""
     starts, ends = lower.qo_indptr[:-1], lower.qo_indptr[1:]
-    parent = torch.searchsorted(upper.qo_indptr, starts, right=True) - 1
-    parent = parent.clamp(0, upper.num_groups - 1)
+    parent = upper.qo_indptr.searchsorted(starts, side="right") - 1
+    # Empty groups at the very end start past every group above: they take the last one.
+    parent = np.minimum(parent, upper.num_groups - 1)
     inside = (ends <= upper.qo_indptr[parent + 1]) | (ends == starts)
-    if not bool(inside.all()):
-        g = int(torch.nonzero(~inside)[0])
+    if not inside.all():
+        g = int((~inside).argmax())
         raise ValueError(
             f"qo_indptr_arr[{lv}]: group {g} (queries {int(starts[g])}..{int(ends[g])}) straddles two groups of level {lv - 1}; "
             "each group must lie inside one group of every level above it"
@@ -157,62 +246,86 @@ def parent_of(upper: HostLevel, lower: HostLevel, lv: int) -> torch.Tensor:
     return parent
 
 
-def ancestors(levels: list[HostLevel]) -> list[torch.Tensor]:
+def ancestors(levels: list[LevelArrays]) -> list[np.ndarray]:
     """``ancestors(levels)[l][g]``: the group of level ``l`` above last-level group ``g``."""
-    chain = [torch.arange(levels[-1].num_groups)]
+    chain = [np.arange(levels[-1].num_groups)]
     for lv in range(len(levels) - 1, 0, -1):
         parent = levels[lv].parent if levels[lv].parent is not None else parent_of(levels[lv - 1], levels[lv], lv)
         chain.append(parent[chain[-1]])
     return chain[::-1]
 
 
-def level_shapes(levels: list[HostLevel], page_size: int) -> list[LevelShape]:
-    shapes = []
-    above = ancestors(levels)
-    for lv, anc in zip(levels, above):
-        q_per_group = lv.qo_indptr[1:] - lv.qo_indptr[:-1]
-        keys = lv.kv_lens(page_size)
-        shapes.append(LevelShape(
+def level_shapes(levels: Sequence[HostLevel | LevelArrays], page_size: int) -> list[LevelShape]:
+    """What each level costs, for :func:`~cascadeinfer.cascade.cost.predict_seconds`."""
+    levels = [LevelArrays.of(lv, page_size) for lv in levels]
+    return [
+        LevelShape(
             num_queries=int(lv.qo_indptr[-1]),
-            decode=bool((q_per_group == 1).all()),
-            unique_keys=int(keys[q_per_group > 0].sum()),
-            query_key_pairs=int((q_per_group * keys).sum()),
-            flat_key_reads=int(keys[anc].sum()),
+            decode=lv.decode,
+            unique_keys=int(lv.keys[lv.queries > 0].sum()),
+            query_key_pairs=int(lv.queries @ lv.keys),
+            flat_key_reads=int(lv.keys[anc].sum()),
             num_groups=lv.num_groups,
-        ))
-    return shapes
+        )
+        for lv, anc in zip(levels, ancestors(levels))
+    ]
 
 
-def flat_page_table(levels: list[HostLevel], page_size: int) -> HostLevel | None:
+def flat_page_table(levels: Sequence[HostLevel | LevelArrays], page_size: int) -> LevelArrays | None:
     """Each last-level group's full page list (all levels concatenated), or None when some
     level above the last ends on a partly filled page (its keys then cannot be followed
-    by the next level's pages in one table)."""
-    last = levels[-1]
-    above = ancestors(levels)
-    rows, last_lens = [], []
-    for g in range(last.num_groups):
-        pages, last_len = [], 0
-        for lv, level in enumerate(levels):
-            a = int(above[lv][g])
-            s, e = int(level.kv_indptr[a]), int(level.kv_indptr[a + 1])
-            if e == s:
-                continue
-            if pages and last_len != page_size:
-                return None
-            pages.extend(level.kv_indices[s:e].tolist())
-            last_len = int(level.kv_last_page_len[a])
-        rows.append(pages)
-        last_lens.append(last_len)
-    indptr = torch.zeros(len(rows) + 1, dtype=torch.int32)
-    indptr[1:] = torch.tensor([len(r) for r in rows], dtype=torch.int32).cumsum(0)
-    indices = torch.tensor([p for r in rows for p in r], dtype=torch.int32)
-    table = PageTable.trusted(indptr, indices, torch.tensor(last_lens, dtype=torch.int32), page_size,
-                              last.table.num_pages)
-    return HostLevel(last.qo_indptr, table)
+    by the next level's pages in one table).
+
+    The result has the last level's ``qo_indptr`` and one row per last-level group:
+    ``kv_indptr`` int64 ``[groups + 1]``, ``kv_indices`` ``[kv_indptr[-1]]`` (the levels'
+    dtype), ``kv_last_page_len`` int64 ``[groups]``.
+    """
+    levels = [LevelArrays.of(lv, page_size) for lv in levels]
+    num_rows = levels[-1].num_groups
+    row_pages = np.zeros(num_rows, dtype=np.int64)  # pages of the levels so far, per row
+    last_len = np.zeros(num_rows, dtype=np.int64)  # the last of those pages' length (0: none)
+    starts, lengths = [], []  # per level: where each row's run of it starts in `source`, its pages
+    base = 0  # the level's offset in `source`
+    for lv, anc in zip(levels, ancestors(levels)):
+        pages = lv.pages[anc]
+        has = pages > 0
+        # A level's pages can follow those of the levels above only after a full page.
+        if np.count_nonzero(has & (row_pages > 0) & (last_len != page_size)):
+            return None
+        last_len = np.where(has, lv.kv_last_page_len[anc], last_len)
+        row_pages += pages
+        starts.append(np.add(lv.kv_indptr[anc], base, dtype=np.int64))
+        lengths.append(pages)
+        base += lv.kv_indices.size
+    indptr = np.zeros(num_rows + 1, dtype=np.int64)
+    np.cumsum(row_pages, out=indptr[1:])
+    # Row by row, level by level: the runs in the order of the flat table.
+    source = np.concatenate([lv.kv_indices for lv in levels])
+    indices = _gather_runs(source, np.stack(starts, axis=1).ravel(), np.stack(lengths, axis=1).ravel())
+    return LevelArrays.build(levels[-1].qo_indptr, indptr, indices, last_len, page_size, levels[-1].num_pages)
+
+
+_INT32_POSITIONS = 2**31  # positions below this fit in int32
+
+
+def _gather_runs(source: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """``source[starts[i]:starts[i] + lengths[i]]`` for every ``i``, concatenated: one
+    index array for all runs instead of a Python loop over them.
+
+    ``source`` ``[n]``; ``starts``, ``lengths`` int64 ``[runs]``; returns
+    ``[lengths.sum()]`` of ``source``'s dtype.
+    """
+    firsts = np.cumsum(lengths) - lengths  # each run's first position in the output
+    total = int(firsts[-1] + lengths[-1]) if lengths.size else 0
+    # int32 positions where they fit: half the bytes through the three passes below.
+    dtype = np.int32 if max(total, source.size) < _INT32_POSITIONS else np.int64
+    index = np.repeat((starts - firsts).astype(dtype), lengths)
+    index += np.arange(total, dtype=dtype)
+    return source.take(index)
 
 
 def choose_cascade(
-    levels: list[HostLevel], *, page_size: int, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+    levels: Sequence[HostLevel | LevelArrays], *, page_size: int, num_qo_heads: int, num_kv_heads: int, head_dim: int,
     elem_bytes: int, device: torch.device | None,
 ) -> tuple[bool, float, float, float | None]:
     """(is cascade predicted faster?, predicted cascade seconds, predicted flat seconds,

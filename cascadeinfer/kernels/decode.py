@@ -44,6 +44,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -64,6 +65,7 @@ from cascadeinfer.kernels import decode_balanced as balanced
 from cascadeinfer.kernels import merge as merge_mod
 from cascadeinfer.kernels.decode_balanced import attend_tile
 from cascadeinfer.kernels.launch import LaunchCache, call_key, launch, recorded, scratch
+from cascadeinfer.layouts.indptr import host_array
 from cascadeinfer.layouts.page_table import check_pages_in_pool, validate_page_table
 from cascadeinfer.layouts.paged_cache import (
     PagedKV,
@@ -418,7 +420,7 @@ def pick_decode_schedule(batch: int, num_kv_heads: int, device: torch.device | s
     gives every program the same work, so with more programs than SMs the busiest SM gets
     ``ceil(programs / num_sms)`` of them against ``programs / num_sms`` on average; below
     0.9 of that, balanced. (At one program per SM or fewer no SM waits on another.)
-    ``seq_lens`` (optional, host ints or a CPU tensor, ``[batch]`` tokens per request):
+    ``seq_lens`` (optional, host ints, a numpy array or a CPU tensor, ``[batch]`` tokens per request):
     when their mean is under 0.8 of the longest, the per-request plan waits on the long
     requests' programs: balanced. Reading lengths needs them on the host, so only callers
     that have them (a planner) pass them.
@@ -434,11 +436,12 @@ def pick_decode_schedule(batch: int, num_kv_heads: int, device: torch.device | s
         if per_sm / math.ceil(per_sm) < _MIN_WAVE_FILL:
             return "balanced"
     if seq_lens is not None:
-        lens = torch.as_tensor(seq_lens, dtype=torch.float64).reshape(-1)
-        if lens.numel() != batch:
-            raise ValueError(f"seq_lens: expected {batch} lengths, got {lens.numel()}")
+        # numpy: a planner calls this on every re-plan, and a torch op costs several µs.
+        lens = np.asarray(host_array(seq_lens), dtype=np.float64).reshape(-1)
+        if lens.size != batch:
+            raise ValueError(f"seq_lens: expected {batch} lengths, got {lens.size}")
         longest = float(lens.max()) if batch else 0.0
-        if longest > 0 and float(lens.mean()) < _MIN_LENGTH_BALANCE * longest:
+        if longest > 0 and float(lens.sum()) / batch < _MIN_LENGTH_BALANCE * longest:
             return "balanced"
     return "per_request"
 

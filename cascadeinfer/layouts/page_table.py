@@ -29,10 +29,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from cascadeinfer._checks import capturing, check_int32_vector, check_tensor
-from cascadeinfer.layouts.indptr import _as_int_list, check_monotone
+from cascadeinfer.layouts.indptr import _as_int_list, check_monotone, host_array
 
 
 _INT32_MAX = 2**31 - 1
@@ -177,9 +178,9 @@ def _indptr_ok(indptr: torch.Tensor, num_indices: int) -> bool:
 
 
 def check_page_table_values(
-    kv_indptr: torch.Tensor,
-    kv_indices: torch.Tensor,
-    kv_last_page_len: torch.Tensor,
+    kv_indptr: torch.Tensor | np.ndarray,
+    kv_indices: torch.Tensor | np.ndarray,
+    kv_last_page_len: torch.Tensor | np.ndarray,
     page_size: int,
     num_pages: int | None,
     *,
@@ -187,7 +188,8 @@ def check_page_table_values(
     used_only: bool = False,
     names: tuple[str, str, str] = ("kv_indptr", "kv_indices", "kv_last_page_len"),
 ) -> None:
-    """The page-table rule on host integer tensors; raise ``ValueError`` naming ``names``.
+    """The page-table rule on host integer tensors or numpy arrays; raise ``ValueError``
+    naming ``names``.
 
     ``kv_indptr`` is non-decreasing from ``kv_indptr[0] >= 0``; ``kv_indices`` has at least
     ``kv_indptr[-1]`` entries (``num_indices``, when ``kv_indices`` is only the used slice
@@ -196,37 +198,61 @@ def check_page_table_values(
     pages has ``kv_last_page_len`` in ``[1, page_size]``, a row without pages has 0.
     """
     ip_name, ix_name, last_name = names
-    if kv_indptr.numel() == 0:
+    indptr, indices, last = host_array(kv_indptr), host_array(kv_indices), host_array(kv_last_page_len)
+    if indptr.size == 0:
         raise ValueError(f"{ip_name}: expected at least one entry (n + 1 for n rows)")
-    first, total = int(kv_indptr[0]), int(kv_indptr[-1])
+    first, total = int(indptr[0]), int(indptr[-1])
     if first < 0:
         raise ValueError(f"{ip_name}: expected a first entry >= 0, got {first}")
-    check_monotone(ip_name, kv_indptr)
-    have = kv_indices.shape[0] if num_indices is None else num_indices
+    rows_pages = np.subtract(indptr[1:], indptr[:-1], dtype=np.int64)  # int64: no overflow
+    if rows_pages.size and rows_pages.min() < 0:
+        check_monotone(ip_name, indptr)  # raises, naming the first drop
+    have = indices.shape[0] if num_indices is None else num_indices
     if total > have:
         raise ValueError(f"{ix_name}: has {have} entries but {ip_name}[-1] is {total}")
-    used = kv_indices if used_only else kv_indices[first:total]
+    _check_page_ids(ix_name, indices if used_only else indices[first:total], first, num_pages)
+    _check_last_page_lens(last_name, rows_pages, last, page_size)
+
+
+def _check_page_ids(name: str, used: np.ndarray, first: int, num_pages: int | None) -> None:
+    """Every used page id (``used``, entries ``first..`` of ``kv_indices``) lies in
+    ``[0, num_pages)``, or is non-negative when ``num_pages`` is None."""
+    if used.size == 0:
+        return
+    if num_pages is None:
+        if used.min() >= 0:
+            return
+    else:
+        # One pass: as unsigned, a negative id is at least 2**(bits - 1), past any id the
+        # dtype can hold, so one max bounds both ends.
+        bits = 8 * used.itemsize
+        if used.view(f"u{used.itemsize}").max() < min(num_pages, 2 ** (bits - 1)):
+            return
     bad = used < 0 if num_pages is None else (used < 0) | (used >= num_pages)
-    if bool(bad.any()):
-        pos = int(bad.nonzero()[0, 0])
-        where = "negative" if num_pages is None else f"outside the pool of {num_pages} pages"
-        raise ValueError(f"{ix_name}: index {int(used[pos])} at position {first + pos} is {where}")
-    rows_pages = kv_indptr[1:] - kv_indptr[:-1]
-    last = kv_last_page_len
-    bad_full = (rows_pages > 0) & ((last < 1) | (last > page_size))
-    if bool(bad_full.any()):
-        row = int(bad_full.nonzero()[0, 0])
+    pos = int(bad.argmax())
+    where = "negative" if num_pages is None else f"outside the pool of {num_pages} pages"
+    raise ValueError(f"{name}: index {int(used[pos])} at position {first + pos} is {where}")
+
+
+def _check_last_page_lens(name: str, rows_pages: np.ndarray, last: np.ndarray, page_size: int) -> None:
+    """``last`` in ``[1, page_size]`` on rows with pages and 0 on rows without; the first
+    row of the first kind that fails is reported before any row of the second kind."""
+    has_pages = rows_pages > 0
+    # One pass for the common case: the bounds are [1, page_size] or [0, 0] per row.
+    if not np.count_nonzero((last < has_pages) | (last > has_pages * page_size)):
+        return
+    bad_full = has_pages & ((last < 1) | (last > page_size))
+    if bad_full.any():
+        row = int(bad_full.argmax())
         raise ValueError(
-            f"{last_name}: row {row} has {int(rows_pages[row])} pages and last_page_len "
+            f"{name}: row {row} has {int(rows_pages[row])} pages and last_page_len "
             f"{int(last[row])}; expected 1..{page_size}"
         )
-    bad_empty = (rows_pages == 0) & (last != 0)
-    if bool(bad_empty.any()):
-        row = int(bad_empty.nonzero()[0, 0])
-        raise ValueError(
-            f"{last_name}: row {row} has no pages and last_page_len {int(last[row])}; "
-            "an empty row must have last_page_len 0"
-        )
+    row = int(((~has_pages) & (last != 0)).argmax())
+    raise ValueError(
+        f"{name}: row {row} has no pages and last_page_len {int(last[row])}; "
+        "an empty row must have last_page_len 0"
+    )
 
 
 @dataclass(frozen=True, slots=True, eq=False)
