@@ -93,22 +93,23 @@ class _Staging:
         self.host: torch.Tensor | None = None
         self.done: torch.cuda.Event | None = None
 
-    def write(self, parts: list[torch.Tensor], packed: torch.Tensor) -> None:
+    def write(self, host: np.ndarray, packed: torch.Tensor) -> None:
         if packed.device.type != "cuda":
-            packed.copy_(torch.cat(parts))
+            packed.numpy()[:] = host
             return
         if self.host is None:
             self.host = torch.empty(packed.numel(), dtype=torch.int32, pin_memory=True)
             self.done = torch.cuda.Event()
         else:
             self.done.synchronize()
-        torch.cat(parts, out=self.host)
+        self.host.numpy()[:] = host
         packed.copy_(self.host, non_blocking=True)
         self.done.record()
 
 
-def _upload_fixed(levels: list[HostLevel], device: torch.device, capacity: list[int],
-                  old: list[_DeviceLevel], packed: torch.Tensor | None, staging: _Staging) -> tuple[list[_DeviceLevel], torch.Tensor]:
+def _upload_fixed(levels: list[LevelArrays], device: torch.device, capacity: list[int],
+                  old: list[_DeviceLevel], packed: torch.Tensor | None,
+                  staging: _Staging) -> tuple[list[_DeviceLevel], torch.Tensor]:
     """The levels' int32 tables in fixed-capacity device buffers (graph mode).
 
     Level ``l``'s page list sits in a buffer of ``capacity[l]`` entries (its unused tail
@@ -117,23 +118,22 @@ def _upload_fixed(levels: list[HostLevel], device: torch.device, capacity: list[
     into them through ``staging`` (one host-to-device copy, ordered after the work already
     on the stream, so a graph replayed before it still reads the previous tables).
     """
-    host = []
+    sizes = [n for lv, cap in zip(levels, capacity) for n in (lv.num_groups + 1, lv.num_groups + 1, cap, lv.num_groups)]
+    host = np.zeros(sum(sizes), dtype=np.int32)
+    start = 0
     for lv, cap in zip(levels, capacity):
-        pad = torch.zeros(cap - lv.kv_indices.numel(), dtype=torch.int32)
-        host += [lv.qo_indptr.to(torch.int32), lv.kv_indptr, lv.kv_indices, pad, lv.kv_last_page_len]
+        for a, n in zip((lv.qo_indptr, lv.kv_indptr, lv.kv_indices, lv.kv_last_page_len),
+                        (lv.num_groups + 1, lv.num_groups + 1, cap, lv.num_groups)):
+            host[start:start + a.size] = a
+            start += n
     if packed is not None:
         staging.write(host, packed)
         return old, packed
-    packed = torch.cat(host).to(device)
-    views, start = [], 0
-    for lv, cap in zip(levels, capacity):
-        sizes = (lv.num_groups + 1, lv.num_groups + 1, cap, lv.num_groups)
-        qo, kp, ki, kl = (packed[start + sum(sizes[:i]):start + sum(sizes[:i + 1])] for i in range(4))
-        start += sum(sizes)
-        decode = bool((lv.qo_indptr[1:] - lv.qo_indptr[:-1] == 1).all())
-        views.append(_DeviceLevel(qo, PageTable.trusted(kp, ki, kl, lv.table.page_size, lv.table.num_pages),
-                                  decode=decode))
-    return views, packed
+    packed = torch.from_numpy(host).to(device)
+    views = list(torch.split(packed, sizes))
+    return [_DeviceLevel(views[4 * i], PageTable.trusted(*views[4 * i + 1:4 * i + 4], lv.page_size, lv.num_pages),
+                         decode=lv.decode)
+            for i, lv in enumerate(levels)], packed
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,8 +300,8 @@ class MultiLevelCascadeAttention:
                     f"its last keys, but group {g} has more queries than keys")
         if self.use_cuda_graph:
             for lv, (level, cap) in enumerate(zip(levels, self._capacity)):
-                if level.kv_indices.numel() > cap:
-                    raise ValueError(f"kv_indptr_arr[{lv}]: level {lv} uses {level.kv_indices.numel()} pages, more "
+                if level.kv_indices.size > cap:
+                    raise ValueError(f"kv_indptr_arr[{lv}]: level {lv} uses {level.kv_indices.size} pages, more "
                                      f"than max_pages={cap} (use_cuda_graph=True)")
             shape = _GraphShape.of(levels, num_qo_heads, num_kv_heads, head_dim, page_size, causal,
                                    default_sm_scale(head_dim, sm_scale))
@@ -371,15 +371,15 @@ class MultiLevelCascadeAttention:
             self._launch_signature = signature
         self._planned = True
 
-    def _replan_in_place(self, levels: list[HostLevel], shape: _GraphShape) -> None:
+    def _replan_in_place(self, levels: list[LevelArrays], shape: _GraphShape) -> None:
         """A later plan in graph mode: same shapes and launch choices, new tables."""
         shape.check_matches(self._fixed)
         for lv, (dev, host) in enumerate(zip(self._levels, levels)):
-            if dev.decode and not bool((host.qo_indptr[1:] - host.qo_indptr[:-1] == 1).all()):
+            if dev.decode and not host.decode:
                 raise ValueError(f"qo_indptr_arr[{lv}]: level {lv} was planned as a decode level (one query per "
                                  "group); with use_cuda_graph=True it must stay one")
         _upload_fixed(levels, self.device, self._capacity, self._levels, self._packed, self._staging)
-        self.pages_needed = max((int(lv.kv_indices.max()) + 1 for lv in levels if lv.kv_indices.numel()), default=0)
+        self.pages_needed = max((int(lv.kv_indices.max()) + 1 for lv in levels if lv.kv_indices.size), default=0)
 
     def level_table(self, level: int) -> PageTable:
         """Level ``level``'s page table on the device, as the kernels read it (int32;
