@@ -283,6 +283,14 @@ def test_pick_decode_config():
     assert pick(72) == two  # 3 splits at 2 per SM beat 1 split at 1 per SM
     assert pick(133) == pick(198) == pick(199) == pick(396) == three
     assert pick(397) == pick(2048) == two == pick_decode_config(128, torch.float16, 16)
+    # many programs per SM, small query groups: 8 small programs per SM
+    small = DECODE_VARIANTS["n16_w2_s5"]
+    grouped = lambda work, group, **kw: pick_decode_config(128, torch.bfloat16, 16, work=work, num_sms=132,  # noqa: E731
+                                                           group_size=group, **kw)
+    assert grouped(990, 4) == grouped(2048, 1) == small and small.programs_per_sm == 8
+    assert grouped(989, 4) == grouped(2048, 8) == two
+    assert pick_decode_config(64, torch.bfloat16, 16, work=2048, num_sms=132, group_size=4) == two
+    assert pick_decode_config(128, torch.float32, 16, work=2048, num_sms=132, group_size=4).num_warps == 8
     # past 1.5 pairs per SM no split, whatever the residency of the config
     assert decode_num_splits(25, 8, "cpu", programs_per_sm=8) == decode_num_splits(256, 8, "cpu") == 1
     assert pick(8, head_dim=256).block_n <= two.block_n

@@ -279,7 +279,7 @@ def _num_sms(device: torch.device) -> int:
 
 
 def pick_decode_config(head_dim: int, dtype: torch.dtype, page_size: int, *, work: int | None = None,
-                       num_sms: int = DEFAULT_NUM_SMS) -> DecodeConfig:
+                       num_sms: int = DEFAULT_NUM_SMS, group_size: int | None = None) -> DecodeConfig:
     """The stage-1 launch parameters :func:`batch_decode_paged` uses for these shapes.
 
     ``work``: ``batch * num_kv_heads``, the programs before any split (None: many). The
@@ -298,7 +298,14 @@ def pick_decode_config(head_dim: int, dtype: torch.dtype, page_size: int, *, wor
     per SM, is 4-13% faster alone on short requests (H100: 256x128 0.89 of copy against
     0.79) and equal at 4K, but as the cascade's suffix level beside the prefix it made
     (64, 8192, 256) slower, 49 -> 55 us, and flat decode over shared prefix pages 317 ->
-    433 us: benchmarks/NOTES.md. It is not picked yet.)
+    433 us: benchmarks/NOTES.md.) With ``group_size`` (query heads per kv head) given and at
+    most 4, head_dim 65-128 and ``work >= 7.5 SMs``, n16_w2_s5 after all: its 8 programs
+    per SM keep more loads in flight than a few large tiles when every SM has many
+    programs, and a row of a few pages wastes none of a 16-key tile (H100, bf16, Hq 32 /
+    Hkv 8: cascades at (256, 4096, 160) 118 -> 88 us, (512, 1024, 64) 124 -> 86,
+    (128, 4096, 160) 67 -> 54; (128, 32768, 512) 200 -> 204; below that work,
+    (64, 8192, 256), it lost: 51 -> 59). Other group sizes and head dims keep the rule
+    above until measured.
     """
     block_d = max(16, next_power_of_2(head_dim))
     if dtype == torch.float32:
@@ -309,6 +316,8 @@ def pick_decode_config(head_dim: int, dtype: torch.dtype, page_size: int, *, wor
         # twice the bytes per key: half the keys per tile, 8 warps (166 registers, 73 KiB).
         return DecodeConfig(block_n=32, num_warps=8, num_stages=5)
     one, two, three = DECODE_VARIANTS["n128_w4_s5"], DECODE_VARIANTS["n128_w4_s3"], DECODE_VARIANTS["n64_w4_s5"]
+    if work is not None and group_size is not None and group_size <= 4 and block_d == 128 and 2 * work >= 15 * num_sms:
+        return DECODE_VARIANTS["n16_w2_s5"]
     if work is None or work > 3 * num_sms:
         return two
     if work > num_sms:
@@ -624,7 +633,8 @@ def _launch_per_request(q, kv: PagedKV, kv_indptr, kv_indices, kv_last_page_len,
     device = q.device
     batch, num_qo_heads, head_dim = q.shape
     cfg = config if config is not None else pick_decode_config(
-        head_dim, q.dtype, kv.page_size, work=batch * kv.num_kv_heads, num_sms=_num_sms(device))
+        head_dim, q.dtype, kv.page_size, work=batch * kv.num_kv_heads, num_sms=_num_sms(device),
+        group_size=num_qo_heads // kv.num_kv_heads)
     if num_splits is None:
         num_splits = decode_num_splits(batch, kv.num_kv_heads, device, programs_per_sm=cfg.programs_per_sm)
     group = num_qo_heads // kv.num_kv_heads
