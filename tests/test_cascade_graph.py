@@ -11,6 +11,7 @@ import torch
 from cascadeinfer.cascade.multi_level import MultiLevelCascadeAttention
 from cascadeinfer.layouts.paged_cache import unpack_paged_kv_cache
 from test_cascade import check_close, reference
+from test_cascade import tables as cascade_tables
 
 HQ, HKV, D, PAGE = 8, 2, 32, 4
 
@@ -47,14 +48,7 @@ def padded_tree(rng: random.Random, batch: int, groups: list[int], max_len: int,
 
 
 def tables(levels, perm, device, page: int = PAGE):
-    out = []
-    for lv in levels:
-        qo = torch.tensor([0, *torch.tensor(lv["counts"]).cumsum(0).tolist()], dtype=torch.int32)
-        kp = torch.tensor([0, *torch.tensor([len(p) for p in lv["pages"]]).cumsum(0).tolist()], dtype=torch.int32)
-        ki = torch.tensor([perm[p] for ps in lv["pages"] for p in ps], dtype=torch.int32)
-        kl = torch.tensor([(n - 1) % page + 1 if n else 0 for n in lv["lens"]], dtype=torch.int32)
-        out.append([t.to(device) for t in (qo, kp, ki, kl)])
-    return [list(x) for x in zip(*out)]
+    return cascade_tables(levels, page, perm, device)
 
 
 def choices(attn) -> tuple:

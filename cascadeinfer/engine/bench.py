@@ -370,7 +370,7 @@ def _end_to_end(row: dict, setting: Setting) -> dict:
 
 def _graphs_captured(llm) -> int:
     graphs = llm.runner.graphs
-    return len(graphs.graphs) if graphs is not None and graphs.capture else 0
+    return graphs.num_captured if graphs is not None else 0
 
 
 def engine_run(llm, mode: str, setting: Setting, device: torch.device) -> dict:

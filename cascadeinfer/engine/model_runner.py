@@ -170,7 +170,7 @@ class ModelRunner:
                 self.config.cascade_levels, ps)
             decode = [decode[r] for r in order]
 
-        if not batch.prefill and self.graphs is not None and len(decode) <= self.config.max_graph_batch:
+        if self.overlappable(batch):
             cascade = self.choose_cascade(decode_levels)
             logits = self.graphs.run(decode, decode_levels, cascade, previous)
             return decode, logits, self._stats(0, decode_levels, cascade, True)
@@ -295,11 +295,14 @@ class DecodeGraphs:
         # Every graph writes its logits here (one buffer, not one per graph: [batch, vocab] fp32 is big).
         self.logits = torch.empty(b, runner.model.config.vocab_size, dtype=torch.float32, device=dev)
         self.steps: dict[tuple, _Captured] = {}
-        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.mempool = torch.cuda.graph_pool_handle() if capture else None
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
+
+    @property
+    def num_captured(self) -> int:
+        return sum(step.graph is not None for step in self.steps.values())
 
     def run(self, seqs: list[Sequence], levels: list[HostLevel], cascade: bool,
             previous: tuple[torch.Tensor, dict[int, int]] | None = None) -> torch.Tensor:
@@ -324,7 +327,7 @@ class DecodeGraphs:
         if not self.capture:
             return self._forward(batch, step.attn)[:n]
         if step.graph is None:
-            step.graph = self.graphs[key] = self._capture(batch, step.attn)
+            step.graph = self._capture(batch, step.attn)
         step.graph.replay()
         return self.logits[:n]
 
