@@ -126,3 +126,71 @@ def test_merge_states_across_one_rank_and_bad_input():
                 merge_states_across(o[0], lse)
         finally:
             dist.destroy_process_group()
+
+
+# ---- the context-parallel cascade
+
+
+def _body_context_parallel(rank, world, cases):
+    import random  # noqa: PLC0415
+
+    from test_cascade import check_close, random_tree, reference, tables  # noqa: PLC0415
+
+    from cascadeinfer import MultiLevelCascadeAttention  # noqa: PLC0415
+    from cascadeinfer.layouts.paged_cache import unpack_paged_kv_cache  # noqa: PLC0415
+
+    hq, hkv, d, batch = 4, 2, 32, 4
+    for seed, num_levels, cp_level, qpr, causal, page in cases:
+        rng = random.Random(seed)
+        torch.manual_seed(seed)  # every rank draws the same tables, cache and queries
+        levels, used = random_tree(rng, num_levels, batch, 5 * page + 1, page, qpr, causal)
+        num_pages = used + 3
+        perm = torch.randperm(num_pages).tolist()
+        cache = torch.randn(num_pages, 2, page, hkv, d)
+        q = torch.randn(batch * qpr, hq, d)
+        tabs = tables(levels, page, perm, torch.device("cpu"))
+        attn = MultiLevelCascadeAttention(num_levels, device="cpu", context_parallel_level=cp_level)
+        attn.plan(*tabs, hq, hkv, d, page, causal=causal, num_pages=num_pages)
+        out = torch.full_like(q, float("nan"))
+        o, lse = attn.run(q, cache, out=out, return_lse=True)
+        assert o is out
+        whole = MultiLevelCascadeAttention(num_levels, device="cpu")
+        whole.plan(*tabs, hq, hkv, d, page, causal=causal, num_pages=num_pages, use_cascade=True)
+        o_whole, lse_whole = whole.run(q, cache, return_lse=True)
+        torch.testing.assert_close(o, o_whole, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(lse, lse_whole, atol=2e-5, rtol=2e-5)
+        o_ref, lse_ref = reference(q, unpack_paged_kv_cache(cache, "NHD"), levels, perm, batch, qpr, causal,
+                                   d ** -0.5)
+        check_close(o, lse, o_ref, lse_ref, torch.float32)
+
+
+def test_context_parallel_cascade_equals_the_whole_cascade():
+    """A level's pages cut across 2 ranks (groups shorter than the ranks get empty shares),
+    its states merged across them: the single-process cascade's answer on every rank."""
+    cases = [
+        (3, 2, 0, 1, False, 4),  # shared prefix split, decode level whole
+        (8, 3, 1, 1, False, 4),  # a middle level split
+        (5, 1, 0, 1, False, 16),  # one level: each request's own pages split
+        (9, 2, 0, 2, True, 4),  # causal last level; the prefix level split
+    ]
+    run_ranks(_body_context_parallel, cases)
+
+
+def test_context_parallel_plan_rejects():
+    from cascadeinfer import MultiLevelCascadeAttention  # noqa: PLC0415
+
+    with pytest.raises(ValueError, match="context_parallel_level"):
+        MultiLevelCascadeAttention(2, context_parallel_level=2)
+    with pytest.raises(ValueError, match="context_parallel_level"):
+        MultiLevelCascadeAttention(2, context_parallel_level=0, use_cuda_graph=True, max_pages=4)
+    i32 = dict(dtype=torch.int32)
+    t = lambda *x: torch.tensor(x, **i32)  # noqa: E731
+    two = ([t(0, 2), t(0, 1, 2)], [t(0, 1), t(0, 1, 2)], [t(0), t(1, 2)], [t(4), t(2, 3)])
+    attn = MultiLevelCascadeAttention(2, device="cpu", context_parallel_level=0)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        attn.plan(*two, 4, 2, 32, 4)
+    causal = MultiLevelCascadeAttention(2, device="cpu", context_parallel_level=1)
+    with pytest.raises(ValueError, match="causal last level"):
+        causal.plan(*two, 4, 2, 32, 4, causal=True)
+    with pytest.raises(ValueError, match="use_cascade"):
+        attn.plan(*two, 4, 2, 32, 4, use_cascade=False)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from cascadeinfer._checks import (
     FLOAT_DTYPES,
@@ -31,7 +32,9 @@ from cascadeinfer._checks import (
     normalize_device,
     use_triton,
 )
+from cascadeinfer.cascade.context_parallel import page_share
 from cascadeinfer.cascade.plan import LevelArrays, LevelTensors, check_levels, choose_cascade, flat_page_table
+from cascadeinfer.distributed import merge_states_across
 from cascadeinfer.kernels.decode import batch_decode_paged, pick_decode_schedule
 from cascadeinfer.kernels.launch import LaunchCache, Recording, call_key, recording
 from cascadeinfer.kernels.merge import merge_state
@@ -196,6 +199,17 @@ class MultiLevelCascadeAttention:
             the plan runs the cascade (plan flat decode as one level of every row's pages).
         max_pages: with ``use_cuda_graph``, the capacity of each level's page list (one
             int for every level, or one per level).
+        context_parallel_level: a level whose pages are cut across the ranks of
+            ``context_parallel_group`` (``torch.distributed``, initialised before
+            :meth:`plan`): every rank plans the same tables, keeps a contiguous share of
+            each group's pages of that level (:mod:`~cascadeinfer.cascade.context_parallel`),
+            and ``run`` merges that level's states across the ranks (one all-gather of the
+            state) before merging it with the other levels, which every rank computes
+            whole. Every rank gets the same output. The plan runs the cascade, the levels
+            one after the other on the caller's stream, without recorded launches (the
+            collective sits between them) and outside ``torch.compile``; not with
+            ``use_cuda_graph``, nor on a causal last level.
+        context_parallel_group: the process group (default: the default group).
 
     Example (two levels, shared-prefix batch decode)::
 
@@ -207,7 +221,8 @@ class MultiLevelCascadeAttention:
     """
 
     def __init__(self, num_levels: int, *, kv_layout: str = "NHD", device: torch.device | str | None = None,
-                 use_cuda_graph: bool = False, max_pages: int | Sequence[int] | None = None):
+                 use_cuda_graph: bool = False, max_pages: int | Sequence[int] | None = None,
+                 context_parallel_level: int | None = None, context_parallel_group=None):
         if not isinstance(num_levels, int) or isinstance(num_levels, bool) or num_levels < 1:
             raise ValueError(f"num_levels: expected a positive int, got {num_levels!r}")
         self.num_levels = num_levels
@@ -219,6 +234,15 @@ class MultiLevelCascadeAttention:
             raise ValueError("max_pages: only used with use_cuda_graph=True")
         # graph mode, after the first plan: what every later plan must match
         self._fixed: tuple | None = None
+        if context_parallel_level is not None:
+            if (not isinstance(context_parallel_level, int) or isinstance(context_parallel_level, bool)
+                    or not 0 <= context_parallel_level < num_levels):
+                raise ValueError(f"context_parallel_level: expected a level in [0, {num_levels}) or None, "
+                                 f"got {context_parallel_level!r}")
+            if use_cuda_graph:
+                raise ValueError("context_parallel_level: not with use_cuda_graph=True")
+        self.context_parallel_level = context_parallel_level
+        self.context_parallel_group = context_parallel_group
         self._staging = _Staging()
         self.kv_layout = check_kv_layout(kv_layout)
         self.device = normalize_device(device if device is not None else (
@@ -298,6 +322,9 @@ class MultiLevelCascadeAttention:
                 raise ValueError(
                     f"qo_indptr_arr[{self.num_levels - 1}]: with causal=True each last-level group's queries must be "
                     f"its last keys, but group {g} has more queries than keys")
+        if self.context_parallel_level is not None:
+            levels = self._share_of_this_rank(levels, causal, use_cascade)
+            use_cascade = True
         if self.use_cuda_graph:
             for lv, (level, cap) in enumerate(zip(levels, self._capacity)):
                 if level.kv_indices.size > cap:
@@ -339,7 +366,8 @@ class MultiLevelCascadeAttention:
             # The planner gives a share only where the prefill level is compute-bound: 64- or
             # 128-row tiles (cost.side_stream_runs), one or two programs per SM, so a smaller
             # grid leaves SMs free. Groups of a few rows (16-32-row tiles) keep one stream.
-            self._overlap = prefix_share is not None and self.device.type == "cuda"
+            self._overlap = (prefix_share is not None and self.device.type == "cuda"
+                             and self.context_parallel_level is None)  # that run is one stream
             if self._overlap:
                 pre = levels[-2]
                 self._levels[-2].num_splits = paged_num_splits(
@@ -370,6 +398,47 @@ class MultiLevelCascadeAttention:
                 signature, LaunchCache(maxsize=1 << 30 if self.use_cuda_graph else 8))
             self._launch_signature = signature
         self._planned = True
+
+    def _share_of_this_rank(self, levels: list[LevelArrays], causal: bool, use_cascade: bool | None) -> list[LevelArrays]:
+        """The levels with this rank's share of the context-parallel level's pages."""
+        lv = self.context_parallel_level
+        if causal and lv == self.num_levels - 1:
+            raise ValueError("context_parallel_level: the causal last level cannot be cut across ranks")
+        if use_cascade is False:
+            raise ValueError("use_cascade: a context-parallel plan runs the cascade")
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("context_parallel_level: torch.distributed is not initialised (init_process_group first)")
+        group = self.context_parallel_group
+        return [page_share(level, dist.get_rank(group), dist.get_world_size(group)) if i == lv else level
+                for i, level in enumerate(levels)]
+
+    def _run_context_parallel(self, q, paged_kv_cache, out, lse, return_lse, sm_scale):
+        """``run`` with one level's pages cut across ranks: every level on this rank, that
+        level's state merged across the ranks, then all of them merged in level order."""
+        if torch.compiler.is_compiling():
+            raise RuntimeError("MultiLevelCascadeAttention.run: a context-parallel plan is not traceable by "
+                               "torch.compile (its all-gather sits between the levels)")
+        self._check_run(q, paged_kv_cache, out, lse)
+        scale = self.sm_scale if sm_scale is None else default_sm_scale(self.head_dim, sm_scale)
+        states = []
+        for i, level in enumerate(self._levels):
+            o_i, lse_i = torch.empty_like(q), torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+            self._level_state(level, q, paged_kv_cache, self.causal and i == len(self._levels) - 1, scale, o_i, lse_i)
+            if i == self.context_parallel_level:
+                o_i, lse_i = merge_states_across(o_i, lse_i, self.context_parallel_group)
+            states.append((o_i, lse_i))
+        out = torch.empty_like(q) if out is None else out
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if lse is None else lse
+        o_acc, lse_acc = states[0]
+        if len(states) == 1:
+            out.copy_(o_acc)
+            lse.copy_(lse_acc)
+        for j, (o_i, lse_i) in enumerate(states[1:], 1):
+            final = j == len(states) - 1
+            into, into_lse = (out, lse) if final else (torch.empty_like(q), torch.empty_like(lse))
+            self._merge(o_acc, lse_acc, o_i, lse_i, into, into_lse)
+            o_acc, lse_acc = into, into_lse
+        return (out, lse) if return_lse else out
 
     def _replan_in_place(self, levels: list[LevelArrays], shape: _GraphShape) -> None:
         """A later plan in graph mode: same shapes and launch choices, new tables."""
@@ -486,6 +555,8 @@ class MultiLevelCascadeAttention:
         """
         if not self._planned:
             raise RuntimeError("MultiLevelCascadeAttention.run called before plan()")
+        if self.context_parallel_level is not None:
+            return self._run_context_parallel(q, paged_kv_cache, out, lse, return_lse, sm_scale)
         if torch.compiler.is_compiling():
             return self._run_traced(q, paged_kv_cache, out, lse, return_lse, sm_scale)
         key = call_key(q, paged_kv_cache, out, lse, sm_scale)
