@@ -574,3 +574,11 @@ def test_overlapped_steps_stop_preempt_and_fork(num_pages, llama, device, torch_
     if num_pages == 14:
         assert llm.num_preemptions > 0
     _assert_no_leak(llm)
+    # Seeded sampling (n > 1 included) reads a step late as it reads at once: the same
+    # tokens as the eager engine, whose steps each wait for their samples.
+    sampled = [SamplingParams(temperature=0.9, top_k=50, top_p=0.9, max_tokens=8, seed=3 + i, n=1 + (i == 1),
+                              stop_token_ids=params[i].stop_token_ids, ignore_eos=True) for i in range(len(prompts))]
+    late = [[s.token_ids for s in o.outputs] for o in llm.generate(prompts, sampled)]
+    eager = [[s.token_ids for s in o.outputs] for o in _llm(path, device, num_pages=num_pages).generate(prompts, sampled)]
+    assert late == eager
+    _assert_no_leak(llm)
