@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import platform
 import sys
 from collections.abc import Callable, Sequence
@@ -128,9 +127,8 @@ def markdown_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
-def write_json(name: str, payload: dict) -> None:
-    """Write ``payload`` to ``$OUT/name`` when OUT is set (the device tool brings it back)."""
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, name), "w") as f:
+def write_json(path: str | None, payload: dict) -> None:
+    """Write ``payload`` as JSON to ``path`` (a benchmark's ``--json PATH``); None: nowhere."""
+    if path:
+        with open(path, "w") as f:
             json.dump(payload, f, indent=1)

@@ -43,8 +43,8 @@ both ceilings measured in this run; bytes = the unique K/V (prefix once + every 
 + q + o; FLOPs = 4 * batch * (prefix + suffix) * Hq * D. Fraction = floor / time.
 
 Markdown tables go to stdout (for benchmarks/RESULTS.md), JSON with every row and the
-environment to $OUT/bench_cascade.json, and for --grid a plot of the cascade speedup over
-flat decode against prefix length to $OUT/cascade_speedup.png (when matplotlib imports).
+environment to --json PATH, and for --grid a plot of the cascade speedup over
+flat decode against prefix length to --plot PNG (when matplotlib imports).
 """
 
 from __future__ import annotations
@@ -53,7 +53,6 @@ import argparse
 import gc
 import json
 import math
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -733,11 +732,14 @@ def main() -> None:
     ap.add_argument("--no-peers", action="store_true", help="ours only (no FlashInfer, no SDPA)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes; runs on a CPU")
     ap.add_argument("--plot-from", metavar="JSON", help="only draw the grid plot from an earlier bench_cascade.json")
+    ap.add_argument("--plot", metavar="PNG", default="cascade_speedup.png",
+                    help="with --grid or --plot-from: where to draw the grid plot")
+    ap.add_argument("--json", metavar="PATH", help="write the results and the environment here as JSON")
     args = ap.parse_args()
     if args.plot_from:
         with open(args.plot_from) as f:
             rows = [r for r in json.load(f)["rows"] if r.get("section") == "grid"]
-        plot_grid(rows, os.path.join(os.environ.get("OUT", "."), "cascade_speedup.png"))
+        plot_grid(rows, args.plot)
         return
     if not (args.bar or args.generality or args.grid):
         args.bar = args.generality = True
@@ -777,7 +779,7 @@ def main() -> None:
         sections["grid"] = run_section("grid", grid, ceil, peers=False, rep_ms=100 if args.quick else 60, **common)
 
     all_rows = [r for rows in sections.values() for r in rows]
-    write_json("bench_cascade.json", dict(
+    write_json(args.json, dict(
         env=env, copy_Bps=ceil.copy_bw, matmul_flops=ceil.mm_rate,
         config=dict(hq=HQ, page_size=PAGE, dtype=str(DTYPE), min_pool_bytes=min_pool, max_rotations=MAX_ROTATIONS,
                     planner_tolerance=PLANNER_TOLERANCE, args=vars(args)),
@@ -803,7 +805,7 @@ def main() -> None:
             f"{len(checked)} PASS" + (": FAIL at " + "; ".join(
                 f"batch {r['batch']} prefix {r['prefix']} suffix {r['suffix']} Hkv {r['hkv']} "
                 f"({r['pick']}, {r['planner_over_best']:.2f}x)" for r in fails) if fails else ""))
-        plot_grid(rows, os.path.join(os.environ.get("OUT", "."), "cascade_speedup.png"))
+        plot_grid(rows, args.plot)
     planner_rows = [r for r in all_rows if r.get("planner_check")]
     passed = sum(r["planner_check"] == "PASS" for r in planner_rows)
     log(f"\n# planner check overall: {passed}/{len(planner_rows)} PASS; total {time.perf_counter() - t_start:.0f} s")

@@ -17,7 +17,7 @@ PyTorch SDPA on K/V already gathered into contiguous [batch, Hkv, L, D] tensors 
 gather is not timed) where memory allows. Pools are rotated so that repeated calls are
 not served from L2 (one pool when it is larger than 3x L2 by itself). A second table
 compares the internal stage-1 launch variants on a few shapes. JSON goes to
-$OUT/bench_decode.json.
+--json PATH.
 """
 
 from __future__ import annotations
@@ -255,6 +255,7 @@ def main() -> None:
     ap.add_argument("--no-variants", action="store_true", help="skip the launch-variant comparison")
     ap.add_argument("--all-variants", action="store_true", help="compare the variants at every shape")
     ap.add_argument("--rep-ms", type=int, default=REP_MS, help="do_bench_cudagraph rep per timing")
+    ap.add_argument("--json", metavar="PATH", help="write the results and the environment here as JSON")
     args = ap.parse_args()
     REP_MS = args.rep_ms
     if not torch.cuda.is_available():
@@ -277,12 +278,12 @@ def main() -> None:
         gc.collect()  # free this shape's pools before the next one is allocated
         torch.cuda.empty_cache()
         rows.append(row)
-        write_json("bench_decode.json", dict(env=env, copy_Bps=copy_bw, rows=rows, partial=True))  # if cut short
+        write_json(args.json, dict(env=env, copy_Bps=copy_bw, rows=rows, partial=True))  # if cut short
         print(f"# {label:>16}: ours ({row['schedule']}) {row['ours_us']:9.1f} us {row['ours_frac']:.3f} of copy"
               + (f", flashinfer {row['fi_us']:9.1f} us {row['fi_frac']:.3f}" if row.get("fi_us") else ""),
               flush=True)
 
-    write_json("bench_decode.json", dict(env=env, copy_Bps=copy_bw, matmul_flops=mm_rate,
+    write_json(args.json, dict(env=env, copy_Bps=copy_bw, matmul_flops=mm_rate,
                                          shape=dict(hq=HQ, hkv=HKV, head_dim=D, page_size=PAGE, dtype=str(DTYPE)),
                                          variants={k: str(v) for k, v in DECODE_VARIANTS.items()}, rows=rows))
     var_rows = [r for r in rows if any(k.startswith("var_") for k in r)]

@@ -24,7 +24,6 @@ Correctness against the float32 references runs first, on the GPU.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable
 
@@ -322,10 +321,7 @@ def main() -> None:
     payload = {"env": env, "shapes": {"T": T, "hidden": HIDDEN, "intermediate": INTER, "hq": HQ, "hkv": HKV,
                                       "head_dim": D, "dtype": str(DTYPE)},
                "copy_bandwidth": copy_bw, "ops": table, "layer": layer_rows}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(payload, f, indent=1)
-    write_json("bench_fused.json", payload)
+    write_json(args.json, payload)
 
 
 if __name__ == "__main__":

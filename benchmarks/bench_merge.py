@@ -13,7 +13,7 @@ and the fraction of it. FlashInfer's merge_state / merge_state_in_place / merge_
 on the same inputs when it is installed (its LSE is base 2: converted for the check).
 Every timing is a CUDA-graph replay median over input sets rotated so that nothing is
 served from L2. Correctness against the float64 reference runs first, on the GPU. JSON
-goes to $OUT/bench_merge.json.
+goes to --json PATH.
 """
 
 from __future__ import annotations
@@ -258,6 +258,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time a grid of launch configs")
     parser.add_argument("--rep-ms", type=int, default=REP_MS, help="do_bench_cudagraph rep per timing")
+    parser.add_argument("--json", metavar="PATH", help="write the results and the environment here as JSON")
     args = parser.parse_args()
     REP_MS = args.rep_ms
     torch.manual_seed(0)
@@ -269,7 +270,7 @@ def main() -> None:
     rows = run_table(fi, copy_bw)
     sweep = run_sweep(copy_bw) if args.sweep else []
     columns = ["kernel", "impl", "dtype", "states", "MB", "us", "floor_us", "GB/s", "copy GB/s", "fraction"]
-    write_json("bench_merge.json", {"environment": environment(), "copy_bw": copy_bw, "notes": notes,
+    write_json(args.json, {"environment": environment(), "copy_bw": copy_bw, "notes": notes,
                                     "rows": rows, "sweep": sweep})
     if sweep:
         print("\n## launch-config sweep (bf16, 8192 x 32 x 128)\n")

@@ -16,7 +16,7 @@ Beside it: FlashInfer's BatchPrefillWithPagedKVCacheWrapper(backend="fa2") on th
 single-group page table, PyTorch SDPA (enable_gqa) on the prefix gathered into contiguous
 [1, Hkv, L, D] K/V (the gather is not timed), and FlexAttention (compiled) on a few shapes.
 KV pools are rotated so the prefix is not served from L2 across calls. A sweep table
-compares tile configs and split counts on a few shapes. JSON goes to $OUT/bench_prefix.json.
+compares tile configs and split counts on a few shapes. JSON goes to --json PATH.
 """
 
 from __future__ import annotations
@@ -265,6 +265,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a few shapes, no sweep, no flex")
     ap.add_argument("--no-sweep", action="store_true", help="skip the tile-config / split sweep")
     ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention (compiles per shape)")
+    ap.add_argument("--json", metavar="PATH", help="write the results and the environment here as JSON")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_prefix needs a CUDA device")
@@ -301,7 +302,7 @@ def main() -> None:
             gc.collect()
             torch.cuda.empty_cache()
 
-    write_json("bench_prefix.json", dict(
+    write_json(args.json, dict(
         env=env, copy_Bps=copy_bw, matmul_flops=mm_rate,
         shape=dict(hq=HQ, hkv=HKV, head_dim=D, page_size=PAGE, dtype=str(DTYPE)),
         default_config=str(P.default_tile_config(D, DTYPE)), rows=rows, sweep=sweep,

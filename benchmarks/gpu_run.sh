@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# One device-machine call: install the peers, then run each step given, logging to $OUT/run.log.
-#   bash benchmarks/gpu_run.sh "pytest tests/test_merge.py" "bench bench_merge --quick" ...
+# On a GPU machine: install the peers (FlashInfer, from .peers/), then run each step given,
+# appending every step's output to LOG_DIR/run.log.
+#   bash benchmarks/gpu_run.sh LOG_DIR "pytest tests/test_merge.py" "bench bench_merge --quick" ...
 # A step is "pytest ARGS..." (the gpu-marked tests run here) or "bench MODULE ARGS..."
 # (python -m benchmarks.MODULE). Steps run in order; a failing step does not stop the rest.
 set -u
+if [ $# -lt 1 ]; then echo "usage: bash benchmarks/gpu_run.sh LOG_DIR STEP..." >&2; exit 2; fi
+LOG_DIR="$1"; shift
+mkdir -p "$LOG_DIR"
 export PYTHONUNBUFFERED=1
-OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 if ls .peers/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .peers/*.whl &&
   python3 -c "import glob, tarfile; tarfile.open(glob.glob('.peers/*.tar.xz')[0]).extractall('/tmp/site')" &&
@@ -22,16 +25,16 @@ for step in "$@"; do
   set -- $step
   kind=$1; shift
   case "$kind" in
-    pytest) python3 -m pytest -q -x -p no:cacheprovider "$@" >"$OUT/step.log" 2>&1 ;;
-    bench) mod=$1; shift; python3 -m "benchmarks.$mod" "$@" >"$OUT/step.log" 2>&1 ;;
-    *) echo "unknown step kind $kind" >"$OUT/step.log"; false ;;
+    pytest) python3 -m pytest -q -x -p no:cacheprovider "$@" >"$LOG_DIR/step.log" 2>&1 ;;
+    bench) mod=$1; shift; python3 -m "benchmarks.$mod" "$@" >"$LOG_DIR/step.log" 2>&1 ;;
+    *) echo "unknown step kind $kind" >"$LOG_DIR/step.log"; false ;;
   esac
   rc=$?
   [ $rc -ne 0 ] && status=1
-  cat "$OUT/step.log" >>"$OUT/run.log"
-  tail -n 40 "$OUT/step.log"
+  cat "$LOG_DIR/step.log" >>"$LOG_DIR/run.log"
+  tail -n 40 "$LOG_DIR/step.log"
   echo "=== rc=$rc in $(( $(date +%s) - start )) s"
 done
 
-rm -f "$OUT/step.log"
+rm -f "$LOG_DIR/step.log"
 exit $status

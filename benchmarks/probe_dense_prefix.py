@@ -55,6 +55,7 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="*", default=["128,32768,512"])
     ap.add_argument("--chunks", nargs="*", type=int, default=[2, 3, 4])
     ap.add_argument("--rep-ms", type=int, default=100)
+    ap.add_argument("--json", metavar="PATH", help="write the results and the environment here as JSON")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("probe_dense_prefix needs a CUDA device")
@@ -125,7 +126,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     print(markdown_table(rows, ["shape", "chunks", "kernel", "alone_us", "tflops", "of_matmul", "beside_decode_us",
                                 "beside_mhz", "beside_watts", "cap", "error"]))
-    write_json(f"probe_dense_prefix_{'_'.join(t.replace(',', 'x') for t in args.shapes)}.json", dict(env=environment(), copy_bw=copy_bw, mm_rate=mm_rate, rows=rows))
+    write_json(args.json, dict(env=environment(), copy_bw=copy_bw, mm_rate=mm_rate, rows=rows))
 
 
 if __name__ == "__main__":

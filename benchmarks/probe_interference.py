@@ -100,6 +100,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="*", default=[",".join(map(str, b)) for b in BAR_SHAPES])
     ap.add_argument("--rep-ms", type=int, default=100)
+    ap.add_argument("--json", metavar="PATH", help="write the results and the environment here as JSON")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("probe_interference needs a CUDA device")
@@ -165,7 +166,7 @@ def main() -> None:
     cols = ["shape", "variant", "us", "span", "prefill", "decode", "merge", "mhz", "watts", "temp", "reasons",
             "max err", "error"]
     print(markdown_table(rows, cols))
-    write_json("probe_interference.json", dict(env=environment(), copy_bw=copy_bw, mm_rate=mm_rate,
+    write_json(args.json, dict(env=environment(), copy_bw=copy_bw, mm_rate=mm_rate,
                                                references=refs, rows=rows))
 
 

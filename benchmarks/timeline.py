@@ -78,6 +78,7 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="*", help="batch,prefix,suffix[,hkv,head_dim] (default: the issue's four)")
     ap.add_argument("--splits", nargs="*", type=int, default=[],
                     help="prefix split counts of the two-stream variants (default: the plan's)")
+    ap.add_argument("--json", metavar="PATH", help="write the results and the environment here as JSON")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("timeline needs a CUDA device")
@@ -105,7 +106,7 @@ def main() -> None:
                             kernels=rows))
         del wl, attn
         torch.cuda.empty_cache()
-    write_json("timeline.json", dict(env=environment(), rows=out))
+    write_json(args.json, dict(env=environment(), rows=out))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ bf16, Hq=32, Hkv=8, D=128, page 16 (the shapes of benchmarks/bench_decode.py). O
 4. a table per shape (fraction of copy bandwidth, vs FlashInfer) and the best choice.
 
 ``--budget``: seconds after which no new measurement starts (the tables still print).
-JSON: $OUT/tune_decode.json.
+JSON: --json PATH.
 """
 
 from __future__ import annotations
@@ -264,6 +264,7 @@ def main() -> None:
                     help="which shapes to sweep (short: also SHORT_VARIANTS and the balanced schedule)")
     ap.add_argument("--variants", default="", help="comma-separated names from DECODE_VARIANTS and SHORT_VARIANTS")
     ap.add_argument("--dry-run", action="store_true", help="CPU, TRITON_INTERPRET=1, tiny shapes, no timing")
+    ap.add_argument("--json", metavar="PATH", help="write the results and the environment here as JSON")
     args = ap.parse_args()
     global DEV, DRY
     if args.dry_run:
@@ -294,8 +295,8 @@ def main() -> None:
             print(f"# budget reached before {batch}x{ctx}", flush=True)
             break
         time_shape(batch, ctx, splits_list, variants, copy_bw, fi, v0, deadline, rows, balanced=args.plan == "short")
-        write_json("tune_decode.json", dict(env=env, copy_Bps=copy_bw, rows=rows, partial=True))
-    write_json("tune_decode.json", dict(env=env, copy_Bps=copy_bw, variants={k: str(v) for k, v in variants.items()},
+        write_json(args.json, dict(env=env, copy_Bps=copy_bw, rows=rows, partial=True))
+    write_json(args.json, dict(env=env, copy_Bps=copy_bw, variants={k: str(v) for k, v in variants.items()},
                                         rows=rows))
     print(f"\n## tune_decode: fraction of copy bandwidth ({copy_bw / 1e9:.0f} GB/s), bf16 Hq=32 Hkv=8 D=128 page 16\n")
     shapes = list(dict.fromkeys((r["batch"], r["ctx"]) for r in rows))

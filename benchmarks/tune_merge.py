@@ -15,7 +15,7 @@ small fp32 -> bf16 merges that batch_decode_paged's stage 2 runs. Order:
    shapes, one set for the small L2-resident stage-2 shapes;
 4. tables, best config per case.
 
-JSON: $OUT/tune_merge.json.
+JSON: --json PATH.
 """
 
 from __future__ import annotations
@@ -82,6 +82,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--budget", type=float, default=90.0, help="seconds after which no new measurement starts")
     ap.add_argument("--dry-run", action="store_true", help="CPU, TRITON_INTERPRET=1, tiny shapes, no timing")
+    ap.add_argument("--json", metavar="PATH", help="write the results and the environment here as JSON")
     args = ap.parse_args()
     global N, H, DEV
     if args.dry_run:
@@ -250,7 +251,7 @@ def main() -> None:
                     v, s, None, o, l, config=(bh, bd, warps), unroll=unroll)]),
                 cfg=[bh, bd, warps], unroll=unroll)
 
-    write_json("tune_merge.json", dict(env=env, copy_Bps=copy_bw, rows=rows))
+    write_json(args.json, dict(env=env, copy_Bps=copy_bw, rows=rows))
     print(f"\n## tune_merge (copy bandwidth {copy_bw / 1e9:.0f} GB/s; frac = of copy bandwidth)\n")
     print(markdown_table(rows, ["case", "impl", "us", "frac"]))
     best = []

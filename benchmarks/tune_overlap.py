@@ -132,6 +132,7 @@ def main() -> None:
     ap.add_argument("--rep-ms", type=int, default=60)
     ap.add_argument("--quick", action="store_true",
                     help="only the public path and the two-stream variants (no levels alone, no few-SM decode)")
+    ap.add_argument("--json", metavar="PATH", help="write the results and the environment here as JSON")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("tune_overlap needs a CUDA device")
@@ -194,7 +195,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     for r in rows:
         print(markdown_table([dict(variant=k, us=v) for k, v in r.items()], ["variant", "us"]))
-    write_json("tune_overlap.json", dict(env=environment(), copy_bw=copy_bw, mm_rate=mm_rate, rows=rows))
+    write_json(args.json, dict(env=environment(), copy_bw=copy_bw, mm_rate=mm_rate, rows=rows))
 
 
 if __name__ == "__main__":

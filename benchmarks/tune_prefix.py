@@ -21,7 +21,7 @@ it. If ``benchmarks/_prefill_v0.py`` exists (an untracked copy of an older prefi
 default config is timed too, as the before. Shapes away from the tuned one (other head
 dims, page sizes, causal prefill, groups of a few rows) compare v0, the new default and
 FlashInfer. The last thing printed is a table of the fraction of the measured bf16 matmul
-rate per variant and shape. JSON goes to $OUT/tune_prefix.json. Results: benchmarks/NOTES.md.
+rate per variant and shape. JSON goes to --json PATH. Results: benchmarks/NOTES.md.
 """
 
 from __future__ import annotations
@@ -400,6 +400,7 @@ def main() -> None:
     ap.add_argument("--no-general", action="store_true", help="skip the shapes away from the tuned one")
     ap.add_argument("--small-groups", action="store_true",
                     help="only the general cases of few rows per group (no variant sweep)")
+    ap.add_argument("--json", metavar="PATH", help="write the results and the environment here as JSON")
     args = ap.parse_args()
     if args.smoke:
         smoke()
@@ -431,7 +432,7 @@ def main() -> None:
     cases = SMALL_GROUP_CASES if args.small_groups else GENERAL_CASES
     general = [] if args.no_general else time_general(mods, fi, mm_rate, args.rep_ms, torch.device("cuda"), cases)
     results = [] if args.small_groups else time_all(mods, VARIANTS, shapes, mm_rate, fi, args.rep_ms)
-    write_json("tune_prefix.json", dict(env=env, matmul_flops=mm_rate, results=results, general=general,
+    write_json(args.json, dict(env=env, matmul_flops=mm_rate, results=results, general=general,
                                         variants={v.name: f"{v.cfg} x{v.split_mult} {v.module}" for v in VARIANTS}))
     if general:
         from benchmarks._common import markdown_table  # noqa: PLC0415

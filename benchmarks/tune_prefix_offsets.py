@@ -25,7 +25,7 @@ float64 reference at n=128, L=8229 (a partial last tile, four KV splits) and all
 agree bit for bit. Then each is timed with ``do_bench_cudagraph`` (median) over K/V pools
 rotated inside one graph so no call finds its prefix in L2. The table gives microseconds and
 the fraction of a bf16 matmul rate measured in the same run (the floor at these shapes:
-intensity ~4n FLOP/byte is past the ridge). JSON goes to $OUT/tune_prefix_offsets.json.
+intensity ~4n FLOP/byte is past the ridge). JSON goes to --json PATH.
 """
 
 from __future__ import annotations
@@ -261,6 +261,7 @@ def main() -> None:
     ap.add_argument("--rep-ms", type=int, default=60, help="do_bench_cudagraph rep per timing")
     ap.add_argument("--passes", type=int, default=2, help="timings per path and shape (alternating order)")
     ap.add_argument("--no-contiguous", action="store_true", help="skip the contiguous K/V rows")
+    ap.add_argument("--json", metavar="PATH", help="write the results and the environment here as JSON")
     args = ap.parse_args()
     if args.smoke:
         smoke()
@@ -282,7 +283,7 @@ def main() -> None:
     mm_rate = measure_matmul_rate()
     print(f"# bf16 matmul {mm_rate / 1e12:.0f} TFLOP/s", flush=True)
     rows = time_paths(mm_rate, args.rep_ms, contiguous=not args.no_contiguous, passes=args.passes)
-    write_json("tune_prefix_offsets.json", dict(
+    write_json(args.json, dict(
         env=env, matmul_flops=mm_rate, correctness=errors, results=rows,
         paths={k: str(v) for k, v in {**PATHS, **CONTIG_PATHS}.items()}, config=str(P.default_tile_config(D, DTYPE))))
     print(f"\n## prefix kernel address paths: us (fraction of the bf16 matmul rate, {mm_rate / 1e12:.0f} TFLOP/s); "
