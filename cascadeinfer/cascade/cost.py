@@ -8,8 +8,8 @@ times from bytes moved and FLOPs, plus a fixed cost per level. v3 constants: gri
 (benchmarks/fit_planner.py) on 196 shapes measured on an H100 (176 grid + 20 bar/generality)
 and the 72 H200 shapes of v2; it picks the faster path, or one within 5% of it, on all 268
 (v2: 194/196 and 71/72). The side-stream gain counts only where the runtime takes the side
-stream (64- and 128-row prefill tiles; since session 5, with ``overlap_gain`` 0.3: 196/196 on
-the H100 shapes re-measured then). benchmarks/NOTES.md, "Planner v3".
+stream (64- and 128-row prefill tiles; with ``overlap_gain`` 0.3: 196/196 on the H100
+shapes re-measured with the prefix kernel's 64-row tiles on the side stream too). benchmarks/NOTES.md, "Planner v3".
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class DeviceModel:
     # saved by running them on two streams (measured 0.28-0.43 on an H100 at four shapes; the
     # v3 fit over 268 shapes chose 0.2; once 64-row prefill tiles took the side stream too,
     # the H100 grid and bar shapes re-measured pass 196/196 with 0.25-0.4 and 193/196 with
-    # 0.2: benchmarks/NOTES.md "Planner v3", session 5)
+    # 0.2: benchmarks/NOTES.md "Planner v3")
 
     @staticmethod
     def for_device(device: torch.device | None) -> "DeviceModel":
@@ -86,8 +86,8 @@ def side_stream_runs(levels: list[LevelShape], *, group_size: int, head_dim: int
     tiles (groups of a few rows: bandwidth-bound, like the decode) keep one stream. The
     planner returns an SM share exactly when this holds, and
     ``MultiLevelCascadeAttention.plan`` overlaps exactly when it has one. (64-row tiles,
-    two programs per SM, lost beside the decode in session 2 (Hkv 32 at (64, 8192, 256),
-    151 -> 173 us); on session 4's kernels they win: 152 -> 141 us there, 129 -> 122 at
+    two programs per SM, lost beside the decode with an earlier prefix kernel (Hkv 32 at
+    (64, 8192, 256), 151 -> 173 us); with the current one they win: 152 -> 141 us there, 129 -> 122 at
     (16, 65536, 1024), 78 -> 72 with head_dim 64, 34 -> 29 at (16, 8192, 256); H100,
     benchmarks/NOTES.md.)"""
     if not overlaps(levels):
