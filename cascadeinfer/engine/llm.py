@@ -276,9 +276,9 @@ class LLM:
         if not self.has_unfinished():
             return []
         with torch.inference_mode():
-            return self._step()
+            return self._step(updates=True)
 
-    def _step(self) -> list[RequestOutput]:
+    def _step(self, *, updates: bool) -> list[RequestOutput]:
         """Schedule and enqueue a step, then take in the tokens of the step before it.
 
         The host never waits for the step it just enqueued: each step's tokens are copied
@@ -290,7 +290,9 @@ class LLM:
         device. A step that needs the values on the host (prefill chunks, the eager path)
         reads the previous tokens first. A sequence that turns out to have sampled a stop
         token was given a row of the step in flight for nothing; that row's sample is
-        dropped. Outputs therefore trail the GPU by one step.
+        dropped. Outputs therefore trail the GPU by one step. ``updates``: an output for
+        every request that gained tokens; else only for those that finished (a caller that
+        waits for the end needs no text decoded at every step).
         """
         t0 = time.perf_counter()
         pending, self._pending = self._pending, None
@@ -301,14 +303,14 @@ class LLM:
                 raise RuntimeError("scheduler: no sequence could be scheduled (the KV pool is too small)")
         outputs: list[RequestOutput] = []
         if pending is not None and not (batch and self.runner.overlappable(batch)):
-            outputs = self._resolve(pending)
+            outputs = self._resolve(pending, updates)
             pending = None
             batch = _without_finished(batch) if batch else None
         if not batch:  # nothing left to run, or every scheduled sequence just stopped
             return outputs
         sample_seqs, logits, stats = self.runner.execute(batch, pending.tokens_of() if pending else None)
         if pending is not None:
-            outputs = self._resolve(pending)  # waits for the previous step's copy only
+            outputs = self._resolve(pending, updates)  # waits for the previous step's copy only
         self.scheduler.advance(_without_finished(batch))
         targets: list[tuple[Sequence, int]] = []
         for row, seq in enumerate(sample_seqs):
@@ -334,9 +336,10 @@ class LLM:
             self.step_stats.append(replace(stats, seconds=time.perf_counter() - t0))
         return outputs
 
-    def _resolve(self, pending: _Pending) -> list[RequestOutput]:
+    def _resolve(self, pending: _Pending, updates: bool) -> list[RequestOutput]:
         """Read a step's tokens (waiting for their copy), put them in place of the
-        placeholders, finish the sequences that sampled a stop token; their outputs."""
+        placeholders, finish the sequences that sampled a stop token; the outputs of the
+        requests that gained tokens (``updates``), or of those that finished."""
         touched: dict[int, None] = {}
         for (seq, _), token in zip(pending.targets, pending.values()):
             req = self._requests[seq.request_id]
@@ -347,7 +350,8 @@ class LLM:
                 else:
                     self.scheduler.finish(seq, "stop")
             touched[seq.request_id] = None
-        outputs = [self._output(self._requests[rid]) for rid in touched]
+        outputs = [self._output(self._requests[rid]) for rid in touched
+                   if updates or all(seq.finished for seq in self._requests[rid].seqs)]
         for out in outputs:
             if out.finished:
                 del self._requests[out.request_id]
@@ -389,11 +393,15 @@ class LLM:
             checked.append((text, ids, p))
         return [self._add(text, ids, p) for text, ids, p in checked]
 
-    def _run(self, request_ids: list[int]) -> Iterator[tuple[int, RequestOutput]]:
+    def _run(self, request_ids: list[int], *, updates: bool = True) -> Iterator[tuple[int, RequestOutput]]:
         index = {rid: i for i, rid in enumerate(request_ids)}
         remaining = set(request_ids)
         while remaining:
-            for out in self.step():
+            if not self.has_unfinished():  # never expected: every request ends with a final output
+                raise RuntimeError(f"requests {sorted(remaining)} ended without their final output")
+            with torch.inference_mode():
+                outputs = self._step(updates=updates)
+            for out in outputs:
                 if out.request_id in remaining:
                     if out.finished:
                         remaining.discard(out.request_id)
@@ -418,7 +426,7 @@ class LLM:
         bar = _progress(len(request_ids)) if use_tqdm else None
         results: dict[int, RequestOutput] = {}
         try:
-            for i, out in self._run(request_ids):
+            for i, out in self._run(request_ids, updates=False):
                 if out.finished:
                     results[i] = out
                     if bar is not None:
