@@ -4,7 +4,7 @@ FlashInfer and PyTorch SDPA, each beside its roofline floor.
 Run from the repository root on a GPU machine:
 
     python -m benchmarks.bench_cascade                      # --bar and --generality
-    python -m benchmarks.bench_cascade --bar                # the four issue shapes only
+    python -m benchmarks.bench_cascade --bar                # the four bar shapes only
     python -m benchmarks.bench_cascade --generality         # Hkv 1/32 and head_dim 64/256 only
     python -m benchmarks.bench_cascade --grid --quick       # planner check + speedup plot, a subset
     python -m benchmarks.bench_cascade --grid --hkv 8       # the full grid, one Hkv per device call
@@ -722,7 +722,7 @@ def run_section(title: str, shapes: list[Shape], ceil: Ceilings, *, device, fi, 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--bar", action="store_true", help="the four issue shapes (Hq 32, Hkv 8, D 128)")
+    ap.add_argument("--bar", action="store_true", help="the four bar shapes (Hq 32, Hkv 8, D 128)")
     ap.add_argument("--generality", action="store_true", help="the same shapes with Hkv 1/32 and head_dim 64/256")
     ap.add_argument("--grid", action="store_true", help="batch x prefix x suffix x Hkv: planner check and plot")
     ap.add_argument("--quick", action="store_true", help="with --grid: a subset that runs in a few minutes")
@@ -788,7 +788,7 @@ def main() -> None:
     head = (f"bf16, Hq={HQ}, one query token per request, page {PAGE}; copy {ceil.copy_bw / 1e9:.0f} GB/s, "
             f"matmul {ceil.mm_rate / 1e12:.0f} TFLOP/s; {env['device']}")
     if "bar" in sections:
-        log(f"\n## Shared-prefix batch decode, the issue shapes (Hkv 8, D 128); {head}\n")
+        log(f"\n## Shared-prefix batch decode, the four bar shapes (Hkv 8, D 128); {head}\n")
         log(comparison_table(sections["bar"]))
         log(f"\n{LEGEND}")
     if "generality" in sections:

@@ -6,16 +6,16 @@ Data (2-level shared-prefix batch decode: one prefix of ``prefix`` tokens for al
 requests, then each request's ``suffix`` tokens; bf16, page 16), measured cascade and flat
 times of each shape:
 
-* benchmarks/results/planner_check_h100_s5.json: the 176 grid shapes and the 20 bar +
-  generality shapes, H100, session 5 (cascade v7 kernels and schedule);
+* benchmarks/results/planner_check_h100_2026-11-21_cascade_v7.json: the 176 grid shapes and the 20 bar +
+  generality shapes, H100 (cascade v7 kernels and schedule);
 * benchmarks/results/planner_fit_rows.json: the 72 H200 shapes of the v2 fit.
 
-The session-3 H100 runs (``planner_fit_h100_grid.json``, ``planner_fit_h100_bar.json``,
+The cascade-v4 H100 runs (``planner_fit_h100_grid.json``, ``planner_fit_h100_bar.json``,
 kernels before v7) are read only for a first check: the v2 model (old constants, the
 side-stream gain wherever :func:`overlaps` holds) reproduces their predictions
 (``pred_cascade_us``, ``pred_flat_us``) to 1e-6 relative, i.e. each shape's LevelShapes
 are rebuilt here (:func:`cascadeinfer.cascade.plan.level_shapes` on host tables) as the
-planner builds them. The H200 rows timed session-1 kernels, so they are reported but
+planner builds them. The H200 rows timed cascade-v1 kernels, so they are reported but
 not fitted. The search then runs a vectorised copy of :func:`predict_seconds` over a grid
 of DeviceModel constants, checked against the real function on every row at the chosen
 point. A shape passes when the path the model picks measured within 5% of min(cascade,
@@ -59,7 +59,7 @@ GRID = dict(  # searched constants (the rest keep DeviceModel's defaults)
 
 
 def load_v2_check() -> list[dict]:
-    """The session-3 H100 rows with the v2 planner's predictions (the rebuild check only)."""
+    """The cascade-v4 H100 rows with the v2 planner's predictions (the rebuild check only)."""
     rows = []
     for name in ("planner_fit_h100_grid.json", "planner_fit_h100_bar.json"):
         for r in json.loads((RESULTS / name).read_text())["rows"]:
@@ -71,7 +71,7 @@ def load_v2_check() -> list[dict]:
 
 def load() -> list[dict]:
     """The rows the constants are fitted on: today's H100 kernels, and the H200 rows."""
-    s5 = json.loads((RESULTS / "planner_check_h100_s5.json").read_text())
+    s5 = json.loads((RESULTS / "planner_check_h100_2026-11-21_cascade_v7.json").read_text())
     keys = ("device", "batch", "prefix", "suffix", "hq", "hkv", "d", "cascade", "flat")
     rows = [dict({k: r[k] for k in keys}, pred=None) for r in s5["grid"] + s5["bar"]]
     for r in json.loads((RESULTS / "planner_fit_rows.json").read_text()):
@@ -174,12 +174,12 @@ def masks(rows):
 
 def main() -> None:
     t0 = time.perf_counter()
-    # 1. The v2 model, rebuilt here, reproduces the planner's predictions in the session-3 runs.
+    # 1. The v2 model, rebuilt here, reproduces the planner's predictions in the cascade-v4 runs.
     old = load_v2_check()
     c2, f2 = Vectorised(old).predict(V2, v3=False)
     worst = max(max(abs(c * 1e6 / r["pred"][0] - 1), abs(f * 1e6 / r["pred"][1] - 1))
                 for r, c, f in zip(old, c2, f2))
-    print(f"v2 rebuilt vs the session-3 runs' predictions: worst relative error {worst:.1e}")
+    print(f"v2 rebuilt vs the cascade-v4 runs' predictions: worst relative error {worst:.1e}")
     assert worst < 1e-6, "the rebuilt LevelShapes / model do not reproduce the planner's predictions"
 
     everything = load()
@@ -187,7 +187,7 @@ def main() -> None:
     every = Vectorised(everything)
     report(everything, every.passes(*every.predict(V2, v3=False)), "v2 constants and side-stream rule")
     report(everything, every.passes(*every.predict(defaults)), "cost.py's defaults")
-    # The H200 rows timed session-1 kernels (no side stream, slower prefix): reported, not fitted.
+    # The H200 rows timed cascade-v1 kernels (no side stream, slower prefix): reported, not fitted.
     rows = [r for r in everything if r["device"] == "H100"]
     vec = Vectorised(rows)
 

@@ -1,9 +1,9 @@
 """Why do the two cascade levels slow each other down? Memory, L2 or clocks.
 
-    python -m benchmarks.probe_interference                       # the issue's four shapes
+    python -m benchmarks.probe_interference                       # the four bar shapes
     python -m benchmarks.probe_interference --shapes 128,32768,512
 
-Session 6's timelines showed the decode level beside the prefix level drawing 25-38 GB/s
+The cascade-v7 timelines (benchmarks/timeline.py) showed the decode level beside the prefix level drawing 25-38 GB/s
 per SM where it draws 61-76 alone, and the prefix level losing 8%. This probe runs the
 two-stream cascade (prefix on the main stream at the plan's split count, the per-request
 decode on a side stream) with one thing changed at a time:

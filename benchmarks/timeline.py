@@ -1,6 +1,6 @@
 """Which kernel runs when: a per-kernel timeline of one cascade call on the GPU.
 
-    python -m benchmarks.timeline                          # the four issue shapes
+    python -m benchmarks.timeline                          # the four bar shapes
     python -m benchmarks.timeline --shapes 128,32768,512 --splits 3 4
 
 Each call (the public ``MultiLevelCascadeAttention.run``, then tune_overlap's two-stream
@@ -75,7 +75,7 @@ def kernel_timeline(fn, replays: int = 9) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", nargs="*", help="batch,prefix,suffix[,hkv,head_dim] (default: the issue's four)")
+    ap.add_argument("--shapes", nargs="*", help="batch,prefix,suffix[,hkv,head_dim] (default: the four bar shapes)")
     ap.add_argument("--splits", nargs="*", type=int, default=[],
                     help="prefix split counts of the two-stream variants (default: the plan's)")
     ap.add_argument("--json", metavar="PATH", help="write the results and the environment here as JSON")

@@ -60,7 +60,7 @@ GAPS_PLAN = {
     (40, 4096): (1, 2),
     (48, 4096): (1, 2),
 }
-# the suffix levels of cascades: many short requests (the bar shapes have 128-1024)
+# the suffix levels of cascades: many short requests (the bar shapes have 128-1024)
 SHORT_PLAN = {
     (256, 128): (1,),
     (64, 256): (1, 2),

@@ -1,6 +1,6 @@
 """Can the suffix decode run beside the shared-prefix level on SMs the prefix leaves free?
 
-    python -m benchmarks.tune_overlap                 # the four issue shapes
+    python -m benchmarks.tune_overlap                 # the four bar shapes
     python -m benchmarks.tune_overlap --quick         # the two-stream variants only
 
 The prefix level (128x128 tiles, one program per SM) is compute-bound, the suffix decode
@@ -8,10 +8,10 @@ bandwidth-bound. One after the other their times add. Here the prefix is launche
 fewer KV splits than fill the GPU (so some SMs stay free), and the decode on a second
 stream fills the rest; with 128-row prefix tiles (one program per SM) or 64-row ones (two
 per SM). Each level alone is timed too, and the balanced decode alone on one-wave grids
-of 16 / 36 / 68 SMs (what a decode beside the prefix can draw). Session 3 also timed the
-decode first with a limited grid and the prefix on the remaining SMs (lost everywhere);
-session 4 a one-stream co-launch (commit a97b9ce; NOTES.md), session 6 one with the
-per-request decode and no wait in it (commit c9935ef). Each split count is timed with the
+of 16 / 36 / 68 SMs (what a decode beside the prefix can draw). It also timed the
+decode first with a limited grid and the prefix on the remaining SMs (lost everywhere),
+a one-stream co-launch (commit a97b9ce; NOTES.md, cascade v5 attempts), and one with the
+per-request decode and no wait in it (commit c9935ef; v8 attempts). Each split count is timed with the
 public path's two merges (the prefix's splits, then the levels) and with one merge of
 the prefix's split states and the decode's state together. Every two-stream variant is
 checked against the serial cascade on rotation 0 and timed in one CUDA graph over
@@ -128,7 +128,7 @@ def decode_on_few_sms(wl: Workload, programs: int, dcfg):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", nargs="*", help="batch,prefix,suffix triples (default: the issue's four)")
+    ap.add_argument("--shapes", nargs="*", help="batch,prefix,suffix triples (default: the four bar shapes)")
     ap.add_argument("--rep-ms", type=int, default=60)
     ap.add_argument("--quick", action="store_true",
                     help="only the public path and the two-stream variants (no levels alone, no few-SM decode)")

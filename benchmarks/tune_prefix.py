@@ -55,7 +55,7 @@ class Variant:
 # Round 1 (H200, see benchmarks/NOTES.md) compared 128x64 s3/s4, 128x128 s2/s3, 64x64 and
 # 64x32 with 4 warps at 2-3 programs per SM, each with and without a lazy rescale: 128x128
 # s3 won everywhere and the lazy rescale lost 5-10%. Round 2 keeps the contenders.
-# Round 3 (session 4, H100): one warpgroup per program, two programs per SM (64-row tiles,
+# Round 3 (H100): one warpgroup per program, two programs per SM (64-row tiles,
 # 112 KiB each), against two lock-stepped warpgroups of one 128-row program.
 VARIANTS = [
     Variant("v0 default", None, module="v0"),

@@ -27,3 +27,24 @@ def test_output_locations_come_from_arguments():
         offenders += [f"{path.relative_to(ROOT)}:{i}" for i, line in enumerate(path.read_text().splitlines(), 1)
                       if pattern.search(line)]
     assert not offenders, offenders
+
+
+def test_the_repository_speaks_of_the_product_only():
+    """Shapes, devices, versions and dates: no sessions of work, ticket numbers, borrowed
+    machines or paths outside the repository, in text or in result file names."""
+    import re  # noqa: PLC0415
+
+    pattern = re.compile(r"\bsessions?\b|\bissue ?#?\d|\bissue's\b|\blent\b|/work/|\bticket", re.IGNORECASE)
+    allowed = re.compile(r"""scope=["']session["']""")  # pytest's fixture scope
+    offenders = []
+    for path in [*ROOT.glob("*.md"), *ROOT.glob("docs/*.md"), *ROOT.glob("cascadeinfer/**/*.py"),
+                 *ROOT.glob("benchmarks/*.py"), *ROOT.glob("benchmarks/*.md"), *ROOT.glob("benchmarks/*.sh"),
+                 *ROOT.glob("tests/*.py"), *ROOT.glob("examples/*.py"), ROOT / "pyproject.toml"]:
+        if path.name == "test_repo.py":
+            continue
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if pattern.search(allowed.sub("", line)):
+                offenders.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()[:80]}")
+    offenders += [str(p.relative_to(ROOT)) for p in ROOT.glob("benchmarks/results/*")
+                  if re.search(r"_s\d+(_|\.)|_run\d", p.name)]
+    assert not offenders, "\n".join(offenders)

@@ -103,7 +103,7 @@ def prefix_sm_fraction(t_prefix: float, t_decode: float) -> float:
 
     Proportional to the two times, with the decode's counted half: decode programs pack
     2-3 to an SM and draw more bandwidth per SM when fewer SMs compete for it. Measured on
-    an H100 at the issue's four shapes, this picks the best or within 2% of the best split.
+    an H100 at the four bar shapes, this picks the best or within 2% of the best split.
     """
     return t_prefix / (t_prefix + 0.5 * t_decode) if t_prefix > 0 else 1.0
 
