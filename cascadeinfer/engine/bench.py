@@ -481,8 +481,11 @@ def hf_run(mc: ModelConfig, dtype: torch.dtype, device: torch.device, setting: S
             torch.cuda.empty_cache()
     lengths = [len(o.generated_tokens) for o in out.values() if o.error is None]
     if len(lengths) != len(setting.prompts) or any(n != new for n in lengths):
-        return {**row, "error": f"generate_batch: {len(lengths)} of {len(setting.prompts)} requests finished, "
-                                f"{sum(lengths)} tokens instead of {new * len(setting.prompts)}"}
+        errors = [str(o.error) for o in out.values() if o.error is not None]
+        why = f"; first error: {errors[0].splitlines()[0][:160]}" if errors else ""
+        return {**row, "error": f"generate_batch: {len(lengths)} of {len(setting.prompts)} requests finished "
+                                f"({len(out)} outputs), {sum(lengths)} tokens instead of "
+                                f"{new * len(setting.prompts)}{why}"}
     return _end_to_end({**row, "output_tokens": sum(lengths), "wall_s": wall}, setting)
 
 
