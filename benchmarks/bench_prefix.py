@@ -50,7 +50,7 @@ QUERIES = (64, 128, 256, 512)
 QUICK_SHAPES = ((128, 8192), (256, 8192), (512, 32768), (128, 65536))
 SWEEP_SHAPES = ((64, 16384), (128, 32768), (256, 8192), (512, 32768))
 FLEX_SHAPES = ((128, 32768), (512, 8192))
-SWEEP_CONFIGS = {  # the default first; benchmarks/tune_prefix.py holds the wider search
+SWEEP_CONFIGS = {  # the default first; benchmarks/tools/tune_prefix.py holds the wider search
     "128x128 w8 s3": P.TileConfig(128, 128, 8, 3),
     "128x128 w8 s2": P.TileConfig(128, 128, 8, 2),
     "128x64 w8 s3": P.TileConfig(128, 64, 8, 3),

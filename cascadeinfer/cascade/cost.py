@@ -5,7 +5,7 @@ per level plus a merge; flat decode reads every request's full page list (the pr
 once per request, partly from L2 when it is short) in a single launch. Neither always
 wins: a short prefix or a small batch favours flat decode. The model predicts both
 times from bytes moved and FLOPs, plus a fixed cost per level. v3 constants: grid search
-(benchmarks/fit_planner.py) on 196 shapes measured on an H100 (176 grid + 20 bar/generality)
+(benchmarks/tools/fit_planner.py) on 196 shapes measured on an H100 (176 grid + 20 bar/generality)
 and the 72 H200 shapes of v2; it picks the faster path, or one within 5% of it, on all 268
 (v2: 194/196 and 71/72). The side-stream gain counts only where the runtime takes the side
 stream (64- and 128-row prefill tiles; with ``overlap_gain`` 0.3: 196/196 on the H100

@@ -300,7 +300,7 @@ def _merge_many_kernel(
 # Launch configuration (host side, from sizes only: no autotuning, no host syncs)
 # ----------------------------------------------------------------------------------
 
-# Defaults from the H200 sweep in benchmarks/tune_merge.py (see benchmarks/NOTES.md):
+# Defaults from the H200 sweep in benchmarks/tools/tune_merge.py (see benchmarks/NOTES.md):
 # (bytes of values one program holds per state, 16-byte vectors per thread and state).
 # Two states: 2 vectors a thread was best at every tile size (1 or 4: 10-15% slower).
 # Many states: small programs (bf16 D=128: 2 heads, one warp, one vector a thread and

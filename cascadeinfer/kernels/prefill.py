@@ -689,7 +689,7 @@ def default_address_path(kv: _KVSource, config: TileConfig) -> AddressPath:
     """The address path the launcher takes: of the exact switches
     (:func:`exact_address_path`), the ones measured fastest for the tile.
 
-    H100, bf16 Hq 32 Hkv 8 D 128 page 16, one group (benchmarks/tune_prefix_offsets.py,
+    H100, bf16 Hq 32 Hkv 8 D 128 page 16, one group (benchmarks/tools/tune_prefix_offsets.py,
     fraction of matmul at n 128-512 x L 8K-32K): 128-row tiles, int64 0.47-0.61, int32
     0.52-0.65, hoisted page math alone 0.55-0.68, both 0.53-0.66: the hoisting alone, or
     int32 where pages do not align. 64-row tiles: both (the Hkv 32 cascade at (64, 8192,

@@ -1,11 +1,11 @@
 """The prefill kernel's K/V address paths (:class:`cascadeinfer.kernels.prefill.AddressPath`)
 on the shared-prefix shapes: the old int64 path against each cheaper one, in one call.
 
-    python -m benchmarks.tune_prefix_offsets            # GPU: check every path, then time them (< 3 min)
-    python -m benchmarks.tune_prefix_offsets --sass     # CPU or GPU: compile each path for sm_90a and
+    python -m benchmarks.tools.tune_prefix_offsets            # GPU: check every path, then time them (< 3 min)
+    python -m benchmarks.tools.tune_prefix_offsets --sass     # CPU or GPU: compile each path for sm_90a and
                                                         # report registers, spills and the SASS of the
                                                         # unmasked key loop (instructions per tile)
-    TRITON_INTERPRET=1 python -m benchmarks.tune_prefix_offsets --smoke   # CPU: the checks, tiny shape
+    TRITON_INTERPRET=1 python -m benchmarks.tools.tune_prefix_offsets --smoke   # CPU: the checks, tiny shape
 
 The shared-prefix level of the cascade: ONE group of ``n`` single-token queries over an
 ``L``-token prefix (non-causal), bf16, Hq=32, Hkv=8, D=128, pages of 16 randomly permuted
@@ -185,7 +185,7 @@ def sass_report(config: P.TileConfig | None = None) -> list[dict]:
     GPUTarget, the wheel's ptxas and cuobjdump) and read off the cubin: registers, spill
     bytes, and for the unmasked key loop (the first SASS loop with tensor-core MMAs) its
     instructions per tile, LDGSTS, LDG, integer/address instructions, local spills."""
-    from benchmarks.tune_prefix import compile_sm90  # noqa: PLC0415
+    from benchmarks.tools.tune_prefix import compile_sm90  # noqa: PLC0415
 
     cfg = config or P.default_tile_config(D, DTYPE)
     rows = []

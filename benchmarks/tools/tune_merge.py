@@ -1,6 +1,6 @@
 """Launch-config sweep for the merge kernels (one GPU call, self-checking).
 
-    python -m benchmarks.tune_merge [--budget SECONDS]
+    python -m benchmarks.tools.tune_merge [--budget SECONDS]
 
 8192 rows x 32 heads x 128 dims, bf16 (the shapes of benchmarks/bench_merge.py), plus the
 small fp32 -> bf16 merges that batch_decode_paged's stage 2 runs. Order:
@@ -29,9 +29,9 @@ import time
 import torch
 
 from benchmarks._common import environment, load_flashinfer, markdown_table, write_json
-from benchmarks import tune_decode
-from benchmarks.bench_merge import assert_close_state
-from benchmarks.tune_decode import copy_bandwidth, graph_seconds
+from benchmarks.tools import tune_decode
+from benchmarks.bench_merge import MANY, assert_close_state
+from benchmarks.tools.tune_decode import copy_bandwidth, graph_seconds
 from cascadeinfer.kernels import merge as M
 
 N, H, D = 8192, 32, 128
@@ -64,11 +64,6 @@ def two_configs():
         yield (bh, D, warps)
 
 
-# (BLOCK_H, num_warps, UNROLL) of the many-state kernel at bf16, D=128 that build for sm_90a
-# without spills (ptxas -v: the 3-D value tiles cost registers fast; the others spill).
-MANY = ((2, 1, 2), (2, 1, 4), (2, 1, 8), (2, 1, 16), (4, 1, 2), (4, 1, 4), (4, 1, 8), (4, 2, 2), (4, 2, 4),
-        (4, 2, 8), (4, 2, 16), (8, 1, 2), (8, 1, 4), (8, 2, 2), (8, 2, 4), (8, 4, 2), (8, 4, 4), (8, 4, 8),
-        (8, 4, 16), (16, 2, 2), (16, 4, 2), (16, 8, 2), (16, 8, 4), (32, 4, 2), (32, 8, 2))
 # the HEAD many-state kernel (2-D tiles, statically unrolled groups) around its default
 HEAD_MANY = ((16, 4, 4), (16, 4, 8), (8, 2, 4), (8, 2, 8), (8, 4, 4), (32, 8, 4), (4, 1, 4), (4, 1, 8))
 

@@ -1,6 +1,6 @@
 """Launch-config and split-count sweep for batch_decode_paged (one GPU call, self-checking).
 
-    python -m benchmarks.tune_decode [--budget SECONDS] [--plan main|quick|gaps] [--variants a,b]
+    python -m benchmarks.tools.tune_decode [--budget SECONDS] [--plan main|quick|gaps] [--variants a,b]
 
 bf16, Hq=32, Hkv=8, D=128, page 16 (the shapes of benchmarks/bench_decode.py). Order:
 

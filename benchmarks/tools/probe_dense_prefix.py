@@ -1,7 +1,7 @@
 """How fast would the cascade be with a warp-specialised prefix kernel? A measured proxy.
 
-    python -m benchmarks.probe_dense_prefix                      # (128, 32768, 512)
-    python -m benchmarks.probe_dense_prefix --shapes 64,8192,256
+    python -m benchmarks.tools.probe_dense_prefix                      # (128, 32768, 512)
+    python -m benchmarks.tools.probe_dense_prefix --shapes 64,8192,256
 
 Our prefix kernel (Triton 3.6, no warpgroup specialisation on Hopper) is what bounds the
 cascade at (128, 32768, 512) (NOTES.md v9). PyTorch's SDPA backends include kernels that
@@ -28,8 +28,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks._common import bench_rotating, environment, markdown_table, measure_ceilings, write_json
 from benchmarks.bench_cascade import MIN_POOL_BYTES, Shape, Workload
-from benchmarks.probe_interference import sampled_clocks
-from benchmarks.tune_overlap import two_streams
+from benchmarks.tools.probe_interference import sampled_clocks
+from benchmarks.tools.tune_overlap import two_streams
 from cascadeinfer.kernels.decode import batch_decode_paged
 from cascadeinfer.layouts.paged_cache import gather_paged_kv, unpack_paged_kv_cache
 

@@ -1,7 +1,7 @@
 """Can the suffix decode run beside the shared-prefix level on SMs the prefix leaves free?
 
-    python -m benchmarks.tune_overlap                 # the four bar shapes
-    python -m benchmarks.tune_overlap --quick         # the two-stream variants only
+    python -m benchmarks.tools.tune_overlap                 # the four bar shapes
+    python -m benchmarks.tools.tune_overlap --quick         # the two-stream variants only
 
 The prefix level (128x128 tiles, one program per SM) is compute-bound, the suffix decode
 bandwidth-bound. One after the other their times add. Here the prefix is launched with
@@ -15,7 +15,7 @@ per-request decode and no wait in it (commit c9935ef; v8 attempts). Each split c
 public path's two merges (the prefix's splits, then the levels) and with one merge of
 the prefix's split states and the decode's state together. Every two-stream variant is
 checked against the serial cascade on rotation 0 and timed in one CUDA graph over
-rotated pools. ``benchmarks/timeline.py`` shows when each of their kernels runs.
+rotated pools. ``benchmarks/tools/timeline.py`` shows when each of their kernels runs.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def two_streams(wl: Workload, prefix_splits: int, parts: str = "both", *, prefix
                 config=None):
     """Closures over each rotation: prefix (main stream) and suffix decode (side stream), merged;
     ``parts`` = "prefix" / "suffix" times one level alone. ``prefix_idx`` / ``suffix_idx``
-    replace a level's page list (benchmarks.probe_interference); ``config``, a
+    replace a level's page list (benchmarks.tools.probe_interference); ``config``, a
     ``DECODE_VARIANTS`` entry, runs the per-request decode with it (None: the public default)."""
     qo, kp, ki, kl = wl.tables()
     prefix_idx = ki[0] if prefix_idx is None else prefix_idx

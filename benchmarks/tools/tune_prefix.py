@@ -1,12 +1,12 @@
 """Tile / pipeline variants of the prefill kernel on the shared-prefix shapes, in one call.
 
-    python -m benchmarks.tune_prefix                 # GPU: check every variant, then time them
-    python -m benchmarks.tune_prefix --small-groups  # GPU: only the few-rows-per-group cases
-    python -m benchmarks.tune_prefix --sass          # CPU or GPU: compile each variant for
+    python -m benchmarks.tools.tune_prefix                 # GPU: check every variant, then time them
+    python -m benchmarks.tools.tune_prefix --small-groups  # GPU: only the few-rows-per-group cases
+    python -m benchmarks.tools.tune_prefix --sass          # CPU or GPU: compile each variant for
                                                      # sm_90a and report registers, spills,
                                                      # shared memory, wgmma count and the
                                                      # cp.async waits of each loop
-    TRITON_INTERPRET=1 python -m benchmarks.tune_prefix --smoke   # CPU dry run, tiny shapes
+    TRITON_INTERPRET=1 python -m benchmarks.tools.tune_prefix --smoke   # CPU dry run, tiny shapes
 
 The shared-prefix level of the cascade: ONE group of ``n`` single-token queries over an
 ``L``-token prefix; bf16, Hq=32, Hkv=8, D=128, pages of 16 randomly permuted in the pool

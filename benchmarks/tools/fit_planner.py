@@ -1,6 +1,6 @@
 """Refit the cascade planner's cost model (cascadeinfer/cascade/cost.py) on measured shapes.
 
-    python -m benchmarks.fit_planner          # CPU only, a few seconds
+    python -m benchmarks.tools.fit_planner          # CPU only, a few seconds
 
 Data (2-level shared-prefix batch decode: one prefix of ``prefix`` tokens for all ``batch``
 requests, then each request's ``suffix`` tokens; bf16, page 16), measured cascade and flat
@@ -41,7 +41,7 @@ import torch
 from cascadeinfer.cascade.cost import DeviceModel, predict_seconds
 from cascadeinfer.cascade.plan import HostLevel, level_shapes
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 PAGE = 16
 TOLERANCE = 1.05
 H200 = dict(copy_bandwidth=4.25e12, matmul_rate=6.83e14)  # DeviceModel.for_device on an H200
@@ -83,8 +83,9 @@ def load() -> list[dict]:
 def host_level(qo_indptr: list[int], kv_lens: list[int]) -> HostLevel:
     pages = [-(-n // PAGE) for n in kv_lens]
     kv_indptr = torch.tensor([0, *pages]).cumsum(0)
-    return HostLevel(torch.tensor(qo_indptr), kv_indptr, torch.zeros(int(kv_indptr[-1]), dtype=torch.int64),
-                     torch.tensor([n - (p - 1) * PAGE for n, p in zip(kv_lens, pages)]))
+    # Page ids do not matter to the planner (all zero); the last pages' lengths do.
+    return HostLevel.from_lists(list(qo_indptr), kv_indptr.tolist(), [0] * int(kv_indptr[-1]),
+                                [n - (p - 1) * PAGE if p else 0 for n, p in zip(kv_lens, pages)], PAGE)
 
 
 def shapes_of(r: dict):

@@ -1,9 +1,9 @@
 """Why do the two cascade levels slow each other down? Memory, L2 or clocks.
 
-    python -m benchmarks.probe_interference                       # the four bar shapes
-    python -m benchmarks.probe_interference --shapes 128,32768,512
+    python -m benchmarks.tools.probe_interference                       # the four bar shapes
+    python -m benchmarks.tools.probe_interference --shapes 128,32768,512
 
-The cascade-v7 timelines (benchmarks/timeline.py) showed the decode level beside the prefix level drawing 25-38 GB/s
+The cascade-v7 timelines (benchmarks/tools/timeline.py) showed the decode level beside the prefix level drawing 25-38 GB/s
 per SM where it draws 61-76 alone, and the prefix level losing 8%. This probe runs the
 two-stream cascade (prefix on the main stream at the plan's split count, the per-request
 decode on a side stream) with one thing changed at a time:
@@ -16,7 +16,7 @@ decode on a side stream) with one thing changed at a time:
 - FlashInfer's fa2 cascade (bench_cascade's), where it is installed.
 
 For every variant: the CUDA-graph time, each kernel's duration from a profiled replay
-(benchmarks.timeline), and the SM clock and board power sampled by ``nvidia-smi`` while
+(benchmarks.tools.timeline), and the SM clock and board power sampled by ``nvidia-smi`` while
 the variant's graph replays for about a second (with a bf16 matmul and a copy as
 references). They probe a cause and do not replace bench_cascade's tables. The L2-only
 variants compute on other pages, so only their times are compared; every other variant's
@@ -36,8 +36,8 @@ import torch
 from benchmarks._common import (
     bench_rotating, environment, load_flashinfer, markdown_table, measure_ceilings, write_json)
 from benchmarks.bench_cascade import BAR_SHAPES, DTYPE, MIN_POOL_BYTES, PAGE, Shape, Workload, fi_cascade
-from benchmarks.timeline import kernel_timeline
-from benchmarks.tune_overlap import two_streams
+from benchmarks.tools.timeline import kernel_timeline
+from benchmarks.tools.tune_overlap import two_streams
 from cascadeinfer.cascade.multi_level import MultiLevelCascadeAttention
 from cascadeinfer.kernels.decode import DECODE_VARIANTS
 

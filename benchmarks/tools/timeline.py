@@ -1,7 +1,7 @@
 """Which kernel runs when: a per-kernel timeline of one cascade call on the GPU.
 
-    python -m benchmarks.timeline                          # the four bar shapes
-    python -m benchmarks.timeline --shapes 128,32768,512 --splits 3 4
+    python -m benchmarks.tools.timeline                          # the four bar shapes
+    python -m benchmarks.tools.timeline --shapes 128,32768,512 --splits 3 4
 
 Each call (the public ``MultiLevelCascadeAttention.run``, then tune_overlap's two-stream
 variants at the given prefix split counts) is captured in a CUDA graph and replayed under
@@ -26,7 +26,7 @@ import torch
 
 from benchmarks._common import environment, markdown_table, write_json
 from benchmarks.bench_cascade import BAR_SHAPES, DTYPE, MIN_POOL_BYTES, PAGE, Shape, Workload
-from benchmarks.tune_overlap import one_merge, two_streams
+from benchmarks.tools.tune_overlap import one_merge, two_streams
 from cascadeinfer.cascade.multi_level import MultiLevelCascadeAttention
 
 _REPLAY_GAP_US = 500.0  # replays are separated by a host sleep of milliseconds
