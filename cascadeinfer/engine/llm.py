@@ -498,9 +498,7 @@ class _Pending:
     def __init__(self, targets: list[tuple[Sequence, int]], tokens: torch.Tensor) -> None:
         self.targets = targets
         self.device_tokens = tokens
-        self.row_of = {}
-        for index, (seq, _) in enumerate(targets):
-            self.row_of[seq.seq_id] = index
+        self.row_of = {seq.seq_id: index for index, (seq, _) in enumerate(targets)}
         if tokens.is_cuda:
             self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             self.host.copy_(tokens, non_blocking=True)
