@@ -194,3 +194,61 @@ def test_context_parallel_plan_rejects():
         causal.plan(*two, 4, 2, 32, 4, causal=True)
     with pytest.raises(ValueError, match="use_cascade"):
         attn.plan(*two, 4, 2, 32, 4, use_cascade=False)
+
+
+# ---- a tensor-parallel model
+
+
+def _causal_attention(layer, q, k, v):
+    """Every token over the step's own tokens up to it (one forward of a whole prompt)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    o = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                                         is_causal=True)
+    return o.transpose(0, 1).contiguous()
+
+
+def _forward(path, tokens, tp):
+    from cascadeinfer.engine.llama import LlamaForCausalLM  # noqa: PLC0415
+    from cascadeinfer.engine.model_loader import ModelConfig  # noqa: PLC0415
+
+    model = LlamaForCausalLM(ModelConfig.from_dir(path), dtype=torch.float32, device="cpu", fused=False, tp=tp)
+    model.load_checkpoint(path)
+    ids = torch.tensor(tokens)
+    return model(ids, torch.arange(len(tokens)), _causal_attention)
+
+
+def _body_tensor_parallel_logits(rank, world, path, tokens, expected):
+    from cascadeinfer.engine.llama import TensorParallel  # noqa: PLC0415
+
+    logits = _forward(path, tokens, TensorParallel(rank, world))
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tensor_parallel_model_gives_the_whole_model_logits(arch, tmp_path):
+    """Heads and MLP split over 2 gloo ranks (column-parallel QKV and gate/up, row-parallel
+    o and down with an all-reduce): each rank's logits equal the unsplit model's and
+    transformers' on the same checkpoint (a tiny random Llama and Qwen2, with biases)."""
+    from test_engine import _tiny  # noqa: PLC0415
+
+    hf = _tiny(arch, tmp_path, **({"attention_bias": True, "mlp_bias": True} if arch == "llama" else {}))
+    tokens = [5, 17, 3, 99, 42, 7, 64, 11]
+    whole = _forward(tmp_path, tokens, __import__("cascadeinfer.engine.llama", fromlist=["_WHOLE"])._WHOLE)
+    with torch.no_grad():
+        theirs = hf(torch.tensor([tokens])).logits[0].float()
+    torch.testing.assert_close(whole, theirs, atol=1e-4, rtol=1e-4)
+    run_ranks(_body_tensor_parallel_logits, str(tmp_path), tokens, whole)
+
+
+def test_tensor_parallel_sizes_must_divide_the_model():
+    from cascadeinfer.engine.llama import TensorParallel  # noqa: PLC0415
+    from cascadeinfer.engine.model_loader import preset  # noqa: PLC0415
+
+    config = preset("tiny")
+    with pytest.raises(ValueError, match="tensor_parallel_size: 3 does not divide the model's num_qo_heads"):
+        TensorParallel(0, 3).check(config)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        TensorParallel(0, 0)
+    with pytest.raises(ValueError, match="rank"):
+        TensorParallel(2, 2)

@@ -129,22 +129,64 @@ def _bias(rows: int, enabled: bool, dtype: torch.dtype, device: torch.device) ->
     return nn.Parameter(torch.zeros(rows, dtype=dtype, device=device), requires_grad=False)
 
 
+class TensorParallel:
+    """This process's shard of a tensor-parallel model (Megatron-style).
+
+    ``size`` ranks of ``group`` (``torch.distributed``) split the query and KV heads and
+    the MLP's intermediate dimension evenly: rank ``rank`` holds heads
+    ``[rank * H / size, (rank + 1) * H / size)`` of q, k and v and the same slice of the
+    intermediate units, so the QKV and gate/up projections are column-parallel (its rows
+    of their weights) and the o and down projections row-parallel (its columns), summed
+    across ranks by one all-reduce each. Embedding, norms and LM head are whole on every
+    rank, so every rank computes the same logits. Head and unit counts must divide.
+    """
+
+    def __init__(self, rank: int, size: int, group=None):
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"tensor_parallel_size: expected a positive int, got {size!r}")
+        if not 0 <= rank < size:
+            raise ValueError(f"rank: expected 0 <= rank < {size}, got {rank}")
+        self.rank, self.size, self.group = rank, size, group
+
+    def check(self, config: ModelConfig) -> None:
+        for name in ("num_qo_heads", "num_kv_heads", "intermediate_size"):
+            value = getattr(config, name)
+            if value % self.size:
+                raise ValueError(f"tensor_parallel_size: {self.size} does not divide the model's {name} ({value})")
+
+    def part(self, n: int) -> slice:
+        """This rank's slice of ``n`` (a multiple of ``size``)."""
+        k = n // self.size
+        return slice(self.rank * k, (self.rank + 1) * k)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            torch.distributed.all_reduce(x, group=self.group)
+        return x
+
+
+_WHOLE = TensorParallel(0, 1)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, index: int, *, dtype: torch.dtype, device: torch.device):
+    def __init__(self, config: ModelConfig, index: int, *, dtype: torch.dtype, device: torch.device,
+                 tp: TensorParallel = _WHOLE):
         super().__init__()
         self.index = index
+        self.tp = tp
         h, d = config.hidden_size, config.head_dim
-        self.num_qo_heads, self.num_kv_heads, self.head_dim = config.num_qo_heads, config.num_kv_heads, d
-        qkv_rows = (config.num_qo_heads + 2 * config.num_kv_heads) * d
+        hq, hkv, inter = config.num_qo_heads // tp.size, config.num_kv_heads // tp.size, config.intermediate_size // tp.size
+        self.num_qo_heads, self.num_kv_heads, self.head_dim = hq, hkv, d
+        qkv_rows = (hq + 2 * hkv) * d
         self.input_layernorm = RMSNorm(h, config.rms_norm_eps, dtype=dtype, device=device)
         self.qkv_proj = _weight(qkv_rows, h, dtype, device)
         self.qkv_bias = _bias(qkv_rows, config.qkv_bias, dtype, device)
-        self.o_proj = _weight(h, config.num_qo_heads * d, dtype, device)
+        self.o_proj = _weight(h, hq * d, dtype, device)
         self.o_bias = _bias(h, config.o_bias, dtype, device)
         self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps, dtype=dtype, device=device)
-        self.gate_up_proj = _weight(2 * config.intermediate_size, h, dtype, device)
-        self.gate_up_bias = _bias(2 * config.intermediate_size, config.mlp_bias, dtype, device)
-        self.down_proj = _weight(h, config.intermediate_size, dtype, device)
+        self.gate_up_proj = _weight(2 * inter, h, dtype, device)
+        self.gate_up_bias = _bias(2 * inter, config.mlp_bias, dtype, device)
+        self.down_proj = _weight(h, inter, dtype, device)
         self.down_bias = _bias(h, config.mlp_bias, dtype, device)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
@@ -162,7 +204,7 @@ class DecoderLayer(nn.Module):
         else:
             q, k = rotary(positions, q, k)
         o = attention(self.index, q, k, v)
-        h = F.linear(o.view(tokens, hq * d), self.o_proj, self.o_bias)
+        h = self._row_parallel(o.view(tokens, hq * d), self.o_proj, self.o_bias)
         h, residual = self.post_attention_layernorm.add_norm(h, residual, fused)
         gate_up = F.linear(h, self.gate_up_proj, self.gate_up_bias)
         if fused:
@@ -170,7 +212,16 @@ class DecoderLayer(nn.Module):
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             h = F.silu(gate) * up
-        return F.linear(h, self.down_proj, self.down_bias), residual
+        return self._row_parallel(h, self.down_proj, self.down_bias), residual
+
+    def _row_parallel(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ weight.T + bias`` where every rank holds a slice of ``x``'s features and
+        the matching columns of ``weight``: the partial products summed across ranks, the
+        bias added once."""
+        if self.tp.size == 1:
+            return F.linear(x, weight, bias)
+        out = self.tp.all_reduce(F.linear(x, weight))
+        return out if bias is None else out + bias
 
 
 class LlamaForCausalLM(nn.Module):
@@ -185,17 +236,20 @@ class LlamaForCausalLM(nn.Module):
     """
 
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device | str,
-                 max_positions: int | None = None, fused: bool | None = None):
+                 max_positions: int | None = None, fused: bool | None = None, tp: TensorParallel = _WHOLE):
         super().__init__()
         device = torch.device(device)
+        tp.check(config)
         self.config = config
+        self.tp = tp
         self.dtype = dtype
         if fused is not None and not isinstance(fused, bool):
             raise TypeError(f"fused: expected a bool or None, got {type(fused).__name__}")
         self.fused = use_triton(device) if fused is None else fused
         h, vocab = config.hidden_size, config.vocab_size
         self.embed_tokens = _weight(vocab, h, dtype, device)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype=dtype, device=device) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype=dtype, device=device, tp=tp)
+                                    for i in range(config.num_layers))
         self.norm = RMSNorm(h, config.rms_norm_eps, dtype=dtype, device=device)
         self.lm_head = None if config.tie_word_embeddings else _weight(vocab, h, dtype, device)
         self.rotary = RotaryEmbedding(config, max_positions or config.context_length, dtype=dtype, device=device)
@@ -233,33 +287,43 @@ class LlamaForCausalLM(nn.Module):
 
     # ---- weights ---------------------------------------------------------------------
 
-    def _slots(self) -> dict[str, tuple[torch.Tensor, int, int]]:
-        """Hugging Face tensor name -> (our tensor, first row, rows) that it fills."""
-        c = self.config
-        q_rows, kv_rows = c.num_qo_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        slots = {"model.embed_tokens.weight": (self.embed_tokens, 0, c.vocab_size),
-                 "model.norm.weight": (self.norm.weight, 0, c.hidden_size)}
+    def _slots(self) -> dict[str, tuple[torch.Tensor, int, int, tuple[slice, slice]]]:
+        """Hugging Face tensor name -> (our tensor, first row, rows, the part of the
+        checkpoint tensor it takes: rows and columns; all of it without tensor parallelism)."""
+        c, tp = self.config, self.tp
+        d = c.head_dim
+        q_rows, kv_rows, inter = (c.num_qo_heads // tp.size * d, c.num_kv_heads // tp.size * d,
+                                  c.intermediate_size // tp.size)
+        whole = (slice(None), slice(None))
+        own_rows = lambda n: (tp.part(n), slice(None))  # noqa: E731 - column-parallel: this rank's rows
+        own_cols = (slice(None), tp.part(c.num_qo_heads * d))  # row-parallel o_proj: this rank's columns
+        slots = {"model.embed_tokens.weight": (self.embed_tokens, 0, c.vocab_size, whole),
+                 "model.norm.weight": (self.norm.weight, 0, c.hidden_size, whole)}
         if self.lm_head is not None:
-            slots["lm_head.weight"] = (self.lm_head, 0, c.vocab_size)
+            slots["lm_head.weight"] = (self.lm_head, 0, c.vocab_size, whole)
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            slots[p + "input_layernorm.weight"] = (layer.input_layernorm.weight, 0, c.hidden_size)
-            slots[p + "post_attention_layernorm.weight"] = (layer.post_attention_layernorm.weight, 0, c.hidden_size)
+            slots[p + "input_layernorm.weight"] = (layer.input_layernorm.weight, 0, c.hidden_size, whole)
+            slots[p + "post_attention_layernorm.weight"] = (layer.post_attention_layernorm.weight, 0, c.hidden_size,
+                                                            whole)
             for suffix, tensor in (("weight", layer.qkv_proj), ("bias", layer.qkv_bias)):
                 if tensor is not None:
-                    slots[p + f"self_attn.q_proj.{suffix}"] = (tensor, 0, q_rows)
-                    slots[p + f"self_attn.k_proj.{suffix}"] = (tensor, q_rows, kv_rows)
-                    slots[p + f"self_attn.v_proj.{suffix}"] = (tensor, q_rows + kv_rows, kv_rows)
-            for suffix, tensor in (("weight", layer.o_proj), ("bias", layer.o_bias)):
-                if tensor is not None:
-                    slots[p + f"self_attn.o_proj.{suffix}"] = (tensor, 0, c.hidden_size)
+                    slots[p + f"self_attn.q_proj.{suffix}"] = (tensor, 0, q_rows, own_rows(c.num_qo_heads * d))
+                    slots[p + f"self_attn.k_proj.{suffix}"] = (tensor, q_rows, kv_rows, own_rows(c.num_kv_heads * d))
+                    slots[p + f"self_attn.v_proj.{suffix}"] = (tensor, q_rows + kv_rows, kv_rows,
+                                                               own_rows(c.num_kv_heads * d))
+            if layer.o_proj is not None:
+                slots[p + "self_attn.o_proj.weight"] = (layer.o_proj, 0, c.hidden_size, own_cols)
+            if layer.o_bias is not None:
+                slots[p + "self_attn.o_proj.bias"] = (layer.o_bias, 0, c.hidden_size, whole)
             for suffix, tensor in (("weight", layer.gate_up_proj), ("bias", layer.gate_up_bias)):
                 if tensor is not None:
-                    slots[p + f"mlp.gate_proj.{suffix}"] = (tensor, 0, c.intermediate_size)
-                    slots[p + f"mlp.up_proj.{suffix}"] = (tensor, c.intermediate_size, c.intermediate_size)
-            for suffix, tensor in (("weight", layer.down_proj), ("bias", layer.down_bias)):
-                if tensor is not None:
-                    slots[p + f"mlp.down_proj.{suffix}"] = (tensor, 0, c.hidden_size)
+                    slots[p + f"mlp.gate_proj.{suffix}"] = (tensor, 0, inter, own_rows(c.intermediate_size))
+                    slots[p + f"mlp.up_proj.{suffix}"] = (tensor, inter, inter, own_rows(c.intermediate_size))
+            slots[p + "mlp.down_proj.weight"] = (layer.down_proj, 0, c.hidden_size,
+                                                 (slice(None), tp.part(c.intermediate_size)))
+            if layer.down_bias is not None:
+                slots[p + "mlp.down_proj.bias"] = (layer.down_bias, 0, c.hidden_size, whole)
         return slots
 
     @torch.no_grad()
@@ -275,11 +339,13 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor, file in iter_checkpoint_tensors(model_dir, self.device):
             if name not in slots:
                 continue
-            dest, start, rows = slots[name]
-            want = (rows, *dest.shape[1:])
-            if tuple(tensor.shape) != want:
-                raise ModelLoadError(f"{file}: tensor {name!r} has shape {list(tensor.shape)}, expected {list(want)}")
-            dest[start:start + rows].copy_(tensor)
+            dest, start, rows, (part_rows, part_cols) = slots[name]
+            full = (rows * self.tp.size if part_rows != slice(None) else rows,
+                    *(d * self.tp.size if part_cols != slice(None) else d for d in dest.shape[1:]))
+            if tuple(tensor.shape) != full:
+                raise ModelLoadError(f"{file}: tensor {name!r} has shape {list(tensor.shape)}, expected {list(full)}")
+            part = tensor[part_rows] if tensor.dim() == 1 else tensor[part_rows, part_cols]
+            dest[start:start + rows].copy_(part)
             missing.discard(name)
         if missing:
             shown = ", ".join(sorted(missing)[:5])
