@@ -252,3 +252,63 @@ def test_tensor_parallel_sizes_must_divide_the_model():
         TensorParallel(0, 0)
     with pytest.raises(ValueError, match="rank"):
         TensorParallel(2, 2)
+
+
+# ---- the tensor-parallel engine
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tensor_parallel_engine_gives_the_same_tokens(arch, tmp_path, monkeypatch):
+    """LLM(..., tensor_parallel_size=2): a worker process holds the other half of the heads
+    and MLP; greedy tokens equal TP=1's and transformers', with shared prompts, n > 1
+    samples (their copy-on-write page copies repeated in the worker) and requests that
+    finish at different times."""
+    from test_engine import GREEDY, SHARED, UNSHARED, _tiny, hf_greedy  # noqa: PLC0415
+
+    from cascadeinfer.engine import LLM, SamplingParams  # noqa: PLC0415
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # every rank on the PyTorch path (plain CPU tensors)
+    model = _tiny(arch, tmp_path)
+    prompts = SHARED + UNSHARED
+    params = [SamplingParams(max_tokens=3 + i, n=2 if i == 1 else 1, **GREEDY) for i in range(len(prompts))]
+    kw = dict(device="cpu", dtype=torch.float32, page_size=4, num_pages=96)
+    one = [[s.token_ids for s in o.outputs] for o in LLM(tmp_path, **kw).generate(prompts, params)]
+    llm = LLM(tmp_path, tensor_parallel_size=2, **kw)
+    try:
+        two = [[s.token_ids for s in o.outputs] for o in llm.generate(prompts, params)]
+        assert llm.cache.copies > 0  # the n = 2 request copied its shared last page
+    finally:
+        llm.close()
+    assert two == one
+    for prompt, p, outs in zip(prompts, params, two):
+        assert all(t == hf_greedy(model, prompt, p.max_tokens, "cpu") for t in outs)
+
+
+def test_tensor_parallel_engine_stops_when_a_worker_dies(tmp_path, monkeypatch):
+    from test_engine import GREEDY, SHARED, _tiny  # noqa: PLC0415
+
+    from cascadeinfer.engine import LLM, SamplingParams  # noqa: PLC0415
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setenv("CASCADEINFER_TP_TIMEOUT_S", "30")
+    _tiny("llama", tmp_path)
+    llm = LLM(tmp_path, tensor_parallel_size=2, device="cpu", dtype=torch.float32, page_size=4, num_pages=96)
+    try:
+        llm.generate(SHARED[:1], SamplingParams(max_tokens=2, **GREEDY))
+        worker = llm._workers._procs[0]
+        worker.kill()
+        worker.join(10)
+        with pytest.raises(RuntimeError, match="tensor parallelism: worker"):
+            llm.generate(SHARED[:1], SamplingParams(max_tokens=2, **GREEDY))
+    finally:
+        llm.close()
+
+
+def test_tensor_parallel_size_must_divide_the_heads(tmp_path):
+    from test_engine import _tiny  # noqa: PLC0415
+
+    from cascadeinfer.engine import LLM  # noqa: PLC0415
+
+    _tiny("llama", tmp_path)  # 4 query heads over 2 KV heads
+    with pytest.raises(ValueError, match="tensor_parallel_size: 4 does not divide the model's num_kv_heads"):
+        LLM(tmp_path, tensor_parallel_size=4, device="cpu", dtype=torch.float32)

@@ -40,6 +40,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cascade", choices=("auto", "on", "off"), default="auto",
                    help="decode attention: planner's choice, always cascade, or always flat")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="processes (one GPU each) to split the model's heads and MLP over")
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
@@ -49,6 +51,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
         use_cascade={"auto": None, "on": True, "off": False}[args.cascade], enforce_eager=args.enforce_eager,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 

@@ -42,6 +42,8 @@ class EngineConfig:
         seed: engine seed; requests without a seed derive theirs from it.
         check_metadata: let every kernel validate its index tensors (host syncs; tests).
         record_steps: keep per-step statistics (``LLM.step_stats``) for benchmarks.
+        tensor_parallel_size: processes (one device each) the model's heads and MLP are
+            split over (:mod:`cascadeinfer.engine.parallel`); 1 runs in this process alone.
     """
 
     device: torch.device
@@ -61,6 +63,7 @@ class EngineConfig:
     seed: int = 0
     check_metadata: bool = False
     record_steps: bool = False
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, torch.device):
@@ -68,7 +71,7 @@ class EngineConfig:
         if self.dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise ValueError(f"dtype: expected float16, bfloat16 or float32, got {self.dtype}")
         for name in ("max_model_len", "page_size", "max_num_seqs", "max_num_batched_tokens",
-                     "cascade_levels", "max_graph_batch"):
+                     "cascade_levels", "max_graph_batch", "tensor_parallel_size"):
             _positive(name, getattr(self, name))
         _positive("num_pages", self.num_pages, allow_none=True)
         if not isinstance(self.gpu_memory_utilization, float) or not 0 < self.gpu_memory_utilization <= 1:

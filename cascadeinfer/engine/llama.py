@@ -242,6 +242,8 @@ class LlamaForCausalLM(nn.Module):
         tp.check(config)
         self.config = config
         self.tp = tp
+        # The heads this process attends over (all of them without tensor parallelism).
+        self.num_qo_heads, self.num_kv_heads = config.num_qo_heads // tp.size, config.num_kv_heads // tp.size
         self.dtype = dtype
         if fused is not None and not isinstance(fused, bool):
             raise TypeError(f"fused: expected a bool or None, got {type(fused).__name__}")

@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from collections.abc import Iterator, Sequence as Seq
 from dataclasses import dataclass, replace
 
 import torch
+import torch.distributed as dist
 
 from cascadeinfer.engine.chat import ChatTemplate, load_chat_template
 from cascadeinfer.engine.config import EngineConfig
-from cascadeinfer.engine.llama import LlamaForCausalLM
+from cascadeinfer.engine.llama import LlamaForCausalLM, TensorParallel
 from cascadeinfer.engine.model_loader import ModelConfig, load_tokenizer, parse_dtype
 from cascadeinfer.engine.model_runner import ModelRunner, StepStats
+from cascadeinfer.engine.parallel import RowView, StepMessage, Workers
 from cascadeinfer.engine.prefix_cache import PrefixCache
 from cascadeinfer.engine.sampling import SamplingParams, sample, sample_seed
 from cascadeinfer.engine.scheduler import ScheduledBatch, Scheduler
@@ -113,6 +116,7 @@ class LLM:
         config = ModelConfig.from_dir(model_dir)
         self._setup(config, dtype, device, engine)
         self.model.load_checkpoint(model_dir)
+        self._weights = {"model_dir": str(model_dir)}
         self.tokenizer = load_tokenizer(model_dir) if tokenizer else None
         self.chat_template: ChatTemplate | None = load_chat_template(model_dir) if tokenizer else None
         self._build_engine()
@@ -125,6 +129,7 @@ class LLM:
         self = cls.__new__(cls)
         self._setup(config, dtype, device, engine)
         self.model.init_random_(seed, std)
+        self._weights = {"random": (seed, std)}  # each shard its own random weights
         self.tokenizer = None
         self.chat_template = None
         self._build_engine()
@@ -147,12 +152,29 @@ class LLM:
             raise TypeError(f"LLM: unexpected keyword arguments {sorted(unknown)}")
         self.config = EngineConfig(device=device, dtype=dtype, max_model_len=max_len, **engine)
         self.model_config = config
-        self.model = LlamaForCausalLM(config, dtype=dtype, device=device, max_positions=max_len)
+        size = self.config.tensor_parallel_size
+        tp = TensorParallel(0, size)  # the default process group, started with the workers
+        tp.check(config)
+        if size > 1 and device.type == "cuda" and torch.cuda.device_count() < (device.index or 0) + size:
+            raise ValueError(f"tensor_parallel_size: {size} devices from {device} needed, "
+                             f"{torch.cuda.device_count()} visible")
+        if size > 1 and dist.is_initialized():
+            raise RuntimeError("tensor_parallel_size: the engine starts its own process group, but one is "
+                               "already initialised in this process")
+        self.model = LlamaForCausalLM(config, dtype=dtype, device=device, max_positions=max_len, tp=tp)
 
     def _build_engine(self) -> None:
         cfg, mc = self.config, self.model_config
-        self.pool = PagedKVPool(mc.num_layers, self._num_pages(), cfg.page_size, mc.num_kv_heads, mc.head_dim,
-                                dtype=cfg.dtype, device=cfg.device, kv_layout=cfg.kv_layout)
+        num_pages = self._num_pages()
+        self._workers = None
+        if cfg.tensor_parallel_size > 1:
+            self._workers = Workers(cfg.tensor_parallel_size, cfg.device, dict(
+                engine_config=cfg, model_config=mc, num_pages=num_pages, **self._weights))
+            weakref.finalize(self, self._workers.close)
+        self.pool = PagedKVPool(mc.num_layers, num_pages, cfg.page_size, mc.num_kv_heads // cfg.tensor_parallel_size,
+                                mc.head_dim, dtype=cfg.dtype, device=cfg.device, kv_layout=cfg.kv_layout)
+        if self._workers is not None:
+            self.pool.copy_log = []
         self.cache = PrefixCache(self.pool, enabled=cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.cache, max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=cfg.max_num_batched_tokens)
@@ -167,7 +189,7 @@ class LLM:
     def _page_bytes(self) -> int:
         mc, cfg = self.model_config, self.config
         elem = torch.empty((), dtype=cfg.dtype).element_size()
-        return mc.num_layers * 2 * cfg.page_size * mc.num_kv_heads * mc.head_dim * elem
+        return mc.num_layers * 2 * cfg.page_size * mc.num_kv_heads // cfg.tensor_parallel_size * mc.head_dim * elem
 
     def _num_pages(self) -> int:
         cfg, mc = self.config, self.model_config
@@ -302,12 +324,16 @@ class LLM:
             if not batch:
                 raise RuntimeError("scheduler: no sequence could be scheduled (the KV pool is too small)")
         outputs: list[RequestOutput] = []
-        if pending is not None and not (batch and self.runner.overlappable(batch)):
+        if pending is not None and not (batch and self._workers is None and self.runner.overlappable(batch)):
             outputs = self._resolve(pending, updates)
             pending = None
             batch = _without_finished(batch) if batch else None
         if not batch:  # nothing left to run, or every scheduled sequence just stopped
             return outputs
+        if self._workers is not None:
+            copies, self.pool.copy_log[:] = list(self.pool.copy_log), []
+            self._workers.send(StepMessage([(RowView.of(s), n) for s, n in batch.prefill],
+                                           [RowView.of(s) for s in batch.decode], copies))
         sample_seqs, logits, stats = self.runner.execute(batch, pending.tokens_of() if pending else None)
         if pending is not None:
             outputs = self._resolve(pending, updates)  # waits for the previous step's copy only
@@ -462,6 +488,13 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     # ---- maintenance -------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (if any) and end their process group. The
+        engine is unusable afterwards; it also happens when the engine is collected."""
+        if getattr(self, "_workers", None) is not None:
+            self._workers.close()
+            self._workers = None
 
     def set_use_cascade(self, use_cascade: bool | None) -> None:
         """Switch the decode attention mode: cascade (True), flat (False), planner (None)."""

@@ -125,7 +125,7 @@ class ModelRunner:
         tables = [[getattr(lv, name) for lv in levels] for name in ("qo_indptr", "kv_indptr", "kv_indices",
                                                                    "kv_last_page_len")]
         attn.plan(*tables,
-                  mc.num_qo_heads, mc.num_kv_heads, mc.head_dim, self.page_size, causal=False,
+                  self.model.num_qo_heads, self.model.num_kv_heads, mc.head_dim, self.page_size, causal=False,
                   sm_scale=self.sm_scale, num_pages=self.pool.num_pages, dtype=self.pool.dtype,
                   use_cascade=self.config.use_cascade if len(levels) > 1 else None)
         return attn
@@ -140,7 +140,7 @@ class ModelRunner:
         # Flat decode is always possible here (levels above the last hold full pages only).
         cascade, _, _, _ = choose_cascade(
             levels, page_size=self.page_size,
-            num_qo_heads=mc.num_qo_heads, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+            num_qo_heads=self.model.num_qo_heads, num_kv_heads=self.model.num_kv_heads, head_dim=mc.head_dim,
             elem_bytes=self.pool.cache.element_size(), device=self.config.device)
         return cascade
 
@@ -321,7 +321,7 @@ class DecodeGraphs:
                 len(tables), kv_layout=self.kv_layout, device=self.device, use_cuda_graph=True,
                 max_pages=batch * self.pages_per_seq))
         mc = self.model.config
-        step.attn.plan(*zip(*tables), mc.num_qo_heads, mc.num_kv_heads, mc.head_dim, self.page_size,
+        step.attn.plan(*zip(*tables), self.model.num_qo_heads, self.model.num_kv_heads, mc.head_dim, self.page_size,
                        sm_scale=self.sm_scale, num_pages=self.pool.num_pages, dtype=self.pool.dtype)
         self._fill(batch, seqs, tables[-1][1], previous)
         if not self.capture:

@@ -176,6 +176,9 @@ class PagedKVPool:
         self._refcount = [0] * num_pages
         # A stack: pop() hands out low page numbers first; freed pages are reused first.
         self._free = list(range(num_pages - 1, -1, -1))
+        # When a list: every page copy copy_on_write makes, as (source, copy) (an engine
+        # whose other processes hold other heads of the same pages repeats them there).
+        self.copy_log: list[tuple[int, int]] | None = None
 
     # ---- storage -----------------------------------------------------------------
 
@@ -287,6 +290,8 @@ class PagedKVPool:
             raise
         for p in src:
             self._release(p)
+        if self.copy_log is not None:
+            self.copy_log.extend(zip(src, fresh))
         it = iter(fresh)
         return [next(it) if copy else p for p, copy in zip(pages, needs_copy)]
 
