@@ -312,3 +312,22 @@ def test_tensor_parallel_size_must_divide_the_heads(tmp_path):
     _tiny("llama", tmp_path)  # 4 query heads over 2 KV heads
     with pytest.raises(ValueError, match="tensor_parallel_size: 4 does not divide the model's num_kv_heads"):
         LLM(tmp_path, tensor_parallel_size=4, device="cpu", dtype=torch.float32)
+
+
+def test_bench_distributed_smoke(tmp_path):
+    """benchmarks/bench_distributed.py runs (2 CPU processes, tiny shapes): each rank checks
+    the context-parallel output against the one-process cascade before timing it."""
+    import json  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "rows.json"
+    done = subprocess.run([sys.executable, "-m", "benchmarks.bench_distributed", "--smoke", "--json", str(out)],
+                          cwd=root, capture_output=True, text=True, timeout=600, check=False,
+                          env={**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(root)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["world"], r["batch"]) for r in rows} == {(1, 1), (1, 3), (2, 1), (2, 3)}
+    assert all(r["max_err"] < 1e-4 for r in rows)
