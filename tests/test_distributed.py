@@ -331,3 +331,49 @@ def test_bench_distributed_smoke(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert {(r["world"], r["batch"]) for r in rows} == {(1, 1), (1, 3), (2, 1), (2, 3)}
     assert all(r["max_err"] < 1e-4 for r in rows)
+
+
+_TORCHRUN_SCRIPT = """
+import json, sys, torch
+from cascadeinfer.engine import LLM, SamplingParams
+path, out, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+llm = LLM(path, tensor_parallel_size=2, device="cpu", dtype=torch.float32, page_size=4, num_pages=96)
+# Only rank 0 gets here: the other rank served its steps inside LLM(...) and has ended.
+outs = llm.generate(prompts, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+json.dump([o.outputs[0].token_ids for o in outs], open(out, "w"))
+llm.close()
+"""
+
+
+def test_tensor_parallel_engine_under_torchrun(tmp_path):
+    """Launched by torchrun (2 CPU processes), every rank runs the same script: LLM(...)
+    on rank 1 serves rank 0's steps, and rank 0's tokens equal one process's."""
+    import json  # noqa: PLC0415
+    import socket  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    from test_engine import SHARED, UNSHARED, _tiny  # noqa: PLC0415
+
+    from cascadeinfer.engine import LLM, SamplingParams  # noqa: PLC0415
+
+    _tiny("llama", tmp_path / "model")
+    prompts = SHARED[:2] + UNSHARED[:1]
+    script, out = tmp_path / "run.py", tmp_path / "tokens.json"
+    script.write_text(_TORCHRUN_SCRIPT)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "TRITON_INTERPRET": "0", "CASCADEINFER_TP_TIMEOUT_S": "60"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_addr", "127.0.0.1", "--master_port", str(port), str(script),
+                           str(tmp_path / "model"), str(out), json.dumps(prompts)],
+                          capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    os.environ["TRITON_INTERPRET"], old = "0", os.environ.get("TRITON_INTERPRET")
+    try:
+        one = LLM(tmp_path / "model", device="cpu", dtype=torch.float32, page_size=4, num_pages=96).generate(
+            prompts, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    finally:
+        os.environ["TRITON_INTERPRET"] = old
+    assert json.loads(out.read_text()) == [o.outputs[0].token_ids for o in one]

@@ -22,7 +22,7 @@ from cascadeinfer.engine.config import EngineConfig
 from cascadeinfer.engine.llama import LlamaForCausalLM, TensorParallel
 from cascadeinfer.engine.model_loader import ModelConfig, load_tokenizer, parse_dtype
 from cascadeinfer.engine.model_runner import ModelRunner, StepStats
-from cascadeinfer.engine.parallel import RowView, StepMessage, Workers
+from cascadeinfer.engine.parallel import RowView, StepMessage, Workers, launched_group, serve
 from cascadeinfer.engine.prefix_cache import PrefixCache
 from cascadeinfer.engine.sampling import SamplingParams, sample, sample_seed
 from cascadeinfer.engine.scheduler import ScheduledBatch, Scheduler
@@ -150,17 +150,19 @@ class LLM:
         unknown = set(engine) - set(EngineConfig.__dataclass_fields__)
         if unknown:
             raise TypeError(f"LLM: unexpected keyword arguments {sorted(unknown)}")
-        self.config = EngineConfig(device=device, dtype=dtype, max_model_len=max_len, **engine)
-        self.model_config = config
-        size = self.config.tensor_parallel_size
-        tp = TensorParallel(0, size)  # the default process group, started with the workers
-        tp.check(config)
-        if size > 1 and device.type == "cuda" and torch.cuda.device_count() < (device.index or 0) + size:
+        size = engine.get("tensor_parallel_size", 1)
+        TensorParallel(0, size).check(config)  # before any process starts
+        # Under torchrun every rank runs this: its rank and device come from the launcher.
+        self._launched = launched_group(size, device) if isinstance(size, int) and size > 1 else None
+        rank = 0
+        if self._launched is not None:
+            rank, device, _ = self._launched
+        elif size > 1 and device.type == "cuda" and torch.cuda.device_count() < (device.index or 0) + size:
             raise ValueError(f"tensor_parallel_size: {size} devices from {device} needed, "
                              f"{torch.cuda.device_count()} visible")
-        if size > 1 and dist.is_initialized():
-            raise RuntimeError("tensor_parallel_size: the engine starts its own process group, but one is "
-                               "already initialised in this process")
+        self.config = EngineConfig(device=device, dtype=dtype, max_model_len=max_len, **engine)
+        self.model_config = config
+        tp = TensorParallel(rank, self.config.tensor_parallel_size)  # the default process group
         self.model = LlamaForCausalLM(config, dtype=dtype, device=device, max_positions=max_len, tp=tp)
 
     def _build_engine(self) -> None:
@@ -168,8 +170,18 @@ class LLM:
         num_pages = self._num_pages()
         self._workers = None
         if cfg.tensor_parallel_size > 1:
-            self._workers = Workers(cfg.tensor_parallel_size, cfg.device, dict(
-                engine_config=cfg, model_config=mc, num_pages=num_pages, **self._weights))
+            if self._launched is not None:  # every rank must size its pool alike: rank 0's count
+                box = [num_pages]
+                dist.broadcast_object_list(box, src=0)
+                num_pages = box[0]
+            build = dict(engine_config=cfg, model_config=mc, num_pages=num_pages, **self._weights)
+            if self._launched is not None and self._launched[0] > 0:
+                # A launched worker rank: serve rank 0's steps with the shard loaded above, then end.
+                serve(self._launched[0], cfg.tensor_parallel_size, cfg.device, build, model=self.model)
+                if self._launched[2]:
+                    dist.destroy_process_group()
+                raise SystemExit(0)
+            self._workers = Workers(cfg.tensor_parallel_size, cfg.device, build, launched=self._launched)
             weakref.finalize(self, self._workers.close)
         self.pool = PagedKVPool(mc.num_layers, num_pages, cfg.page_size, mc.num_kv_heads // cfg.tensor_parallel_size,
                                 mc.head_dim, dtype=cfg.dtype, device=cfg.device, kv_layout=cfg.kv_layout)

@@ -106,8 +106,16 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 class Workers:
     """The worker processes of one engine, started and stopped from rank 0."""
 
-    def __init__(self, size: int, device: torch.device, build: dict) -> None:
+    def __init__(self, size: int, device: torch.device, build: dict, *, launched: tuple | None = None) -> None:
+        """Spawn ``size - 1`` workers and start the group; with ``launched`` (torchrun:
+        :func:`launched_group`'s answer) the group and the other ranks exist already."""
         self.size = size
+        self._closed = False
+        self.group = dist.group.WORLD
+        self._owns_group = launched is None or launched[2]
+        if launched is not None:
+            self._dir, self._procs = None, []
+            return
         self._dir = tempfile.TemporaryDirectory(prefix="cascadeinfer-tp-")
         init = f"file://{os.path.join(self._dir.name, 'init')}"
         ctx = mp.get_context("spawn")
@@ -119,7 +127,6 @@ class Workers:
             torch.cuda.set_device(rank_device(device, 0))
         dist.init_process_group(backend(device), init_method=init, rank=0, world_size=size, timeout=_timeout())
         self.group = dist.group.WORLD
-        self._closed = False
 
     def send(self, message: StepMessage) -> None:
         """Broadcast one step; a dead worker raises here (or in the step's collectives)."""
@@ -140,7 +147,7 @@ class Workers:
             return
         self._closed = True
         try:
-            if all(p.is_alive() for p in self._procs):
+            if all(p.is_alive() for p in self._procs):  # (a launcher's ranks: assumed alive)
                 dist.broadcast_object_list([StepMessage(stop=True)], src=0, group=self.group)
         except Exception:  # noqa: BLE001 - closing after a failure: the workers are gone already
             pass
@@ -148,49 +155,76 @@ class Workers:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
-        if dist.is_initialized():
+        if self._owns_group and dist.is_initialized():  # a group the caller started stays
             dist.destroy_process_group()
-        self._dir.cleanup()
+        if self._dir is not None:
+            self._dir.cleanup()
 
 
 def _worker_main(rank: int, size: int, init: str, device: torch.device, build: dict) -> None:
-    """A worker: its shard of the model and pool, then one forward per step message."""
-    from cascadeinfer.engine.config import EngineConfig  # noqa: PLC0415
-    from cascadeinfer.engine.llama import LlamaForCausalLM, TensorParallel  # noqa: PLC0415
-    from cascadeinfer.engine.model_runner import ModelRunner  # noqa: PLC0415
-    from cascadeinfer.layouts.pool import PagedKVPool, copy_pages  # noqa: PLC0415
-
+    """A spawned worker: join the group, then serve rank 0's steps."""
     device = rank_device(device, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend(device), init_method=init, rank=rank, world_size=size, timeout=_timeout())
     try:
-        config = build["engine_config"]
-        config = EngineConfig(**{**{f: getattr(config, f) for f in EngineConfig.__dataclass_fields__}, "device": device})
-        mc = build["model_config"]
-        tp = TensorParallel(rank, size, dist.group.WORLD)
-        model = LlamaForCausalLM(mc, dtype=config.dtype, device=device, max_positions=config.max_model_len, tp=tp)
-        if build.get("model_dir") is not None:
-            model.load_checkpoint(build["model_dir"])
-        else:
-            model.init_random_(*build["random"])
-        pool = PagedKVPool(mc.num_layers, build["num_pages"], config.page_size, mc.num_kv_heads // size, mc.head_dim,
-                           dtype=config.dtype, device=device, kv_layout=config.kv_layout)
-        runner = ModelRunner(model, pool, config)
-        while True:
-            box: list = [None]
-            dist.broadcast_object_list(box, src=0)
-            message: StepMessage = box[0]
-            if message.stop:
-                break
-            if message.copies:
-                src, dst = zip(*message.copies)
-                idx = torch.tensor([src, dst], dtype=torch.int32).to(device)
-                copy_pages(pool.cache, idx[0], idx[1], validate=False)
-            runner.execute(message.batch())
+        serve(rank, size, device, build)
     except Exception:  # noqa: BLE001 - say why, then end the process (rank 0 sees it exit)
         traceback.print_exc()
         raise SystemExit(1) from None
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def serve(rank: int, size: int, device: torch.device, build: dict, model=None) -> None:
+    """Rank ``rank``'s shard of the model (``model``, or built and loaded here) and of the
+    pool, then one forward per step message of rank 0, until it says stop."""
+    from cascadeinfer.engine.config import EngineConfig  # noqa: PLC0415
+    from cascadeinfer.engine.llama import LlamaForCausalLM, TensorParallel  # noqa: PLC0415
+    from cascadeinfer.engine.model_runner import ModelRunner  # noqa: PLC0415
+    from cascadeinfer.layouts.pool import PagedKVPool, copy_pages  # noqa: PLC0415
+
+    config = build["engine_config"]
+    config = EngineConfig(**{**{f: getattr(config, f) for f in EngineConfig.__dataclass_fields__}, "device": device})
+    mc = build["model_config"]
+    if model is None:
+        model = LlamaForCausalLM(mc, dtype=config.dtype, device=device, max_positions=config.max_model_len,
+                                 tp=TensorParallel(rank, size, dist.group.WORLD))
+        if build.get("model_dir") is not None:
+            model.load_checkpoint(build["model_dir"])
+        else:
+            model.init_random_(*build["random"])
+    pool = PagedKVPool(mc.num_layers, build["num_pages"], config.page_size, mc.num_kv_heads // size, mc.head_dim,
+                       dtype=config.dtype, device=device, kv_layout=config.kv_layout)
+    runner = ModelRunner(model, pool, config)
+    while True:
+        box: list = [None]
+        dist.broadcast_object_list(box, src=0)
+        message: StepMessage = box[0]
+        if message.stop:
+            return
+        if message.copies:
+            src, dst = zip(*message.copies)
+            idx = torch.tensor([src, dst], dtype=torch.int32).to(device)
+            copy_pages(pool.cache, idx[0], idx[1], validate=False)
+        runner.execute(message.batch())
+
+
+def launched_group(size: int, device: torch.device) -> tuple[int, torch.device, bool] | None:
+    """Under ``torchrun`` (or with a process group already initialised): this process's rank
+    and device, and whether the group was started here, from the environment; None
+    otherwise (the engine then spawns its workers). The group's size must be ``size``."""
+    env = all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+    if not dist.is_initialized() and not env:
+        return None
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"])
+    if world != size:
+        raise ValueError(f"tensor_parallel_size: {size}, but this process was launched in a group of {world}")
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", dist.get_rank() if dist.is_initialized() else 0)))
+        torch.cuda.set_device(device)
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group(backend(device), init_method="env://", timeout=_timeout())
+    return dist.get_rank(), device, started
