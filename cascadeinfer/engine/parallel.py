@@ -111,10 +111,10 @@ class Workers:
         :func:`launched_group`'s answer) the group and the other ranks exist already."""
         self.size = size
         self._closed = False
-        self.group = dist.group.WORLD
         self._owns_group = launched is None or launched[2]
         if launched is not None:
             self._dir, self._procs = None, []
+            self.group = dist.group.WORLD
             return
         self._dir = tempfile.TemporaryDirectory(prefix="cascadeinfer-tp-")
         init = f"file://{os.path.join(self._dir.name, 'init')}"
