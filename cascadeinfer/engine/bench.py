@@ -45,7 +45,9 @@ Reported per run (table, and every number in ``--json PATH``):
   actually reads are reported beside it (flat re-reads the prefix for every request).
 
 Floors are lower bounds: they leave out what a perfect kernel could avoid or overlap
-(activations, the prefill's reads of the prefix, norms, sampling).
+(activations, the prefill's reads of the prefix, norms, sampling). With
+``--tensor-parallel-size N`` they are one device's share (1/N of the layers' weights,
+heads and KV, the whole output projection) and leave out the all-reduces.
 """
 
 from __future__ import annotations
@@ -170,12 +172,17 @@ class ModelCosts:
     flops_per_pair: int
 
     @classmethod
-    def of(cls, mc: ModelConfig, weight_bytes: int, elem_bytes: int) -> ModelCosts:
-        h, d = mc.hidden_size, mc.head_dim
+    def of(cls, mc: ModelConfig, weight_bytes: int, elem_bytes: int, tensor_parallel_size: int = 1) -> ModelCosts:
+        """One device's share: with tensor parallelism over ``n`` devices each holds 1/n of
+        the layers' weights, heads and KV, and the whole output projection (every rank
+        computes the logits)."""
+        h, d, n = mc.hidden_size, mc.head_dim, tensor_parallel_size
         layer = h * (mc.num_qo_heads + 2 * mc.num_kv_heads) * d + mc.num_qo_heads * d * h + 3 * h * mc.intermediate_size
-        return cls(weight_bytes=weight_bytes, body_params=mc.num_layers * layer, head_params=mc.vocab_size * h,
-                   kv_bytes_per_token=2 * mc.num_layers * mc.num_kv_heads * d * elem_bytes,
-                   flops_per_pair=4 * mc.num_layers * mc.num_qo_heads * d)
+        head_bytes = mc.vocab_size * h * elem_bytes
+        return cls(weight_bytes=(weight_bytes - head_bytes) // n + head_bytes, body_params=mc.num_layers * layer // n,
+                   head_params=mc.vocab_size * h,
+                   kv_bytes_per_token=2 * mc.num_layers * mc.num_kv_heads // n * d * elem_bytes,
+                   flops_per_pair=4 * mc.num_layers * mc.num_qo_heads // n * d)
 
     def step_floor(self, ceil: Ceilings, *, tokens: int, logits: int, pairs: int, kv_read: int,
                    weight_reads: int = 1) -> float:
@@ -606,7 +613,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     # What every step reads: all weights but the embedding table (unless tied), as the engine counts them.
     weight_bytes = (mc.num_parameters() - (0 if mc.tie_word_embeddings else mc.vocab_size * mc.hidden_size)) * elem
-    costs = ModelCosts.of(mc, weight_bytes, elem)
+    costs = ModelCosts.of(mc, weight_bytes, elem, kwargs["tensor_parallel_size"])  # one device's share
     prefill_floor = workload.prefill_floor(costs, ceil, kwargs["max_num_batched_tokens"])
     decode_floors = workload.decode_floors(costs, ceil, kwargs["max_num_seqs"])
     prompts = workload.prompts(mc.vocab_size, args.seed)
