@@ -377,3 +377,44 @@ def test_tensor_parallel_engine_under_torchrun(tmp_path):
     finally:
         os.environ["TRITON_INTERPRET"] = old
     assert json.loads(out.read_text()) == [o.outputs[0].token_ids for o in one]
+
+
+@pytest.mark.gpu
+def test_nccl_world_of_one_runs_the_same_path(tmp_path):
+    """On one GPU: NCCL with one rank through merge_states_across and the context-parallel
+    cascade, eagerly and replayed from a CUDA graph (the all-gather inside the capture)."""
+    from test_cascade import tables  # noqa: PLC0415
+
+    from cascadeinfer import MultiLevelCascadeAttention  # noqa: PLC0415
+
+    dev = torch.device("cuda")
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1,
+                            device_id=dev)
+    try:
+        o, lse = torch.randn(8, 4, 64, device=dev), torch.randn(8, 4, device=dev)
+        merged, merged_lse = merge_states_across(o, lse)
+        torch.testing.assert_close(merged, o)
+        torch.testing.assert_close(merged_lse, lse)
+        levels = [dict(lens=[40], pages=[[0, 1, 2]], counts=[3], groups=[0, 0, 0]),
+                  dict(lens=[5, 16, 1], pages=[[3], [4], [5]], counts=[1, 1, 1], groups=[0, 1, 2])]
+        perm = list(range(8))
+        tabs = tables(levels, 16, perm, dev)
+        cache = torch.randn(8, 2, 16, 2, 64, device=dev, dtype=torch.bfloat16)
+        q = torch.randn(3, 4, 64, device=dev, dtype=torch.bfloat16)
+        cp = MultiLevelCascadeAttention(2, device=dev, context_parallel_level=0)
+        cp.plan(*tabs, 4, 2, 64, 16, num_pages=8)
+        whole = MultiLevelCascadeAttention(2, device=dev)
+        whole.plan(*tabs, 4, 2, 64, 16, num_pages=8, use_cascade=True)
+        expected = whole.run(q, cache)
+        out = torch.empty_like(q)
+        cp.run(q, cache, out=out)
+        torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            cp.run(q, cache, out=out)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+    finally:
+        dist.destroy_process_group()
