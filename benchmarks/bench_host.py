@@ -119,6 +119,8 @@ def host_rows(shape: Shape, fi, calls: int, device: torch.device) -> list[dict]:
     states = torch.randn(s.batch, 4, s.hq, s.head_dim, device=device, dtype=DTYPE)
     state_lse = torch.randn(s.batch, 4, s.hq, device=device)
     merged, merged_lse = torch.empty_like(states[:, 0]), torch.empty_like(state_lse[:, 0])
+    # The two states, sliced once here: the rows time the launcher, not the caller's slicing.
+    v_a, s_a, v_b, s_b = states[:, 0], state_lse[:, 0], states[:, 1], state_lse[:, 1]
     seq_lens = get_seq_lens(wl.flat_indptr, wl.flat_last, PAGE)
     append_indptr = torch.arange(s.batch + 1, dtype=torch.int32, device=device)
     rows_b, pos = get_batch_indices_positions(append_indptr, seq_lens, s.batch)
@@ -132,8 +134,7 @@ def host_rows(shape: Shape, fi, calls: int, device: torch.device) -> list[dict]:
             q, pool, wl.flat_indptr, wl.flat_indices, wl.flat_last, validate=False),
         "ours batch_prefill_paged (prefix level)": lambda: batch_prefill_paged(
             q, wl.qo_indptr[0], pool, wl.kv_indptr[0], wl.kv_indices[0], wl.kv_last[0], validate=False),
-        "ours merge_state": lambda: merge_state(states[:, 0], state_lse[:, 0], states[:, 1], state_lse[:, 1],
-                                                validate=False),
+        "ours merge_state": lambda: merge_state(v_a, s_a, v_b, s_b, validate=False),
         "ours merge_states (4 states)": lambda: merge_states(states, state_lse, validate=False),
         # As an engine calls them: into its own buffers (no allocation per call).
         "ours batch_decode_paged, out given": lambda: batch_decode_paged(
@@ -141,8 +142,7 @@ def host_rows(shape: Shape, fi, calls: int, device: torch.device) -> list[dict]:
         "ours batch_prefill_paged (prefix level), out given": lambda: batch_prefill_paged(
             q, wl.qo_indptr[0], pool, wl.kv_indptr[0], wl.kv_indices[0], wl.kv_last[0], out=out, lse=lse,
             validate=False),
-        "ours merge_state, out given": lambda: merge_state(states[:, 0], state_lse[:, 0], states[:, 1],
-                                                           state_lse[:, 1], out=merged, out_lse=merged_lse,
+        "ours merge_state, out given": lambda: merge_state(v_a, s_a, v_b, s_b, out=merged, out_lse=merged_lse,
                                                            validate=False),
         "ours append_paged_kv_cache": lambda: append_paged_kv_cache(
             new_k, new_v, rows_b, pos, pool, wl.flat_indices, wl.flat_indptr, wl.flat_last, validate=False),
