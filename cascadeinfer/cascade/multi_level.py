@@ -412,34 +412,6 @@ class MultiLevelCascadeAttention:
         return [page_share(level, dist.get_rank(group), dist.get_world_size(group)) if i == lv else level
                 for i, level in enumerate(levels)]
 
-    def _run_context_parallel(self, q, paged_kv_cache, out, lse, return_lse, sm_scale):
-        """``run`` with one level's pages cut across ranks: every level on this rank, that
-        level's state merged across the ranks, then all of them merged in level order."""
-        if torch.compiler.is_compiling():
-            raise RuntimeError("MultiLevelCascadeAttention.run: a context-parallel plan is not traceable by "
-                               "torch.compile (its all-gather sits between the levels)")
-        self._check_run(q, paged_kv_cache, out, lse)
-        scale = self.sm_scale if sm_scale is None else default_sm_scale(self.head_dim, sm_scale)
-        states = []
-        for i, level in enumerate(self._levels):
-            o_i, lse_i = torch.empty_like(q), torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-            self._level_state(level, q, paged_kv_cache, self.causal and i == len(self._levels) - 1, scale, o_i, lse_i)
-            if i == self.context_parallel_level:
-                o_i, lse_i = merge_states_across(o_i, lse_i, self.context_parallel_group)
-            states.append((o_i, lse_i))
-        out = torch.empty_like(q) if out is None else out
-        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if lse is None else lse
-        o_acc, lse_acc = states[0]
-        if len(states) == 1:
-            out.copy_(o_acc)
-            lse.copy_(lse_acc)
-        for j, (o_i, lse_i) in enumerate(states[1:], 1):
-            final = j == len(states) - 1
-            into, into_lse = (out, lse) if final else (torch.empty_like(q), torch.empty_like(lse))
-            self._merge(o_acc, lse_acc, o_i, lse_i, into, into_lse)
-            o_acc, lse_acc = into, into_lse
-        return (out, lse) if return_lse else out
-
     def _replan_in_place(self, levels: list[LevelArrays], shape: _GraphShape) -> None:
         """A later plan in graph mode: same shapes and launch choices, new tables."""
         shape.check_matches(self._fixed)
@@ -509,13 +481,24 @@ class MultiLevelCascadeAttention:
             self._stream = torch.cuda.Stream(self.device)
         return self._stream
 
+    def _state(self, level: _DeviceLevel, q, paged_kv_cache, causal, sm_scale, out, lse) -> None:
+        """:meth:`_level_state`; for the context-parallel level, this rank's share's state
+        merged across the ranks (every rank gets the level's whole state)."""
+        cp = self.context_parallel_level
+        if cp is None or level is not self._levels[cp]:
+            self._level_state(level, q, paged_kv_cache, causal, sm_scale, out, lse)
+            return
+        o_part, lse_part = torch.empty_like(out), torch.empty_like(lse)
+        self._level_state(level, q, paged_kv_cache, causal, sm_scale, o_part, lse_part)
+        merge_states_across(o_part, lse_part, self.context_parallel_group, out=out, out_lse=lse)
+
     def _merged_levels(self, levels, q, paged_kv_cache, sm_scale):
         """The merged state of ``levels`` (none of them the last, so never causal)."""
         o_acc, lse_acc = torch.empty_like(q), torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-        self._level_state(levels[0], q, paged_kv_cache, False, sm_scale, o_acc, lse_acc)
+        self._state(levels[0], q, paged_kv_cache, False, sm_scale, o_acc, lse_acc)
         for level in levels[1:]:
             o_i, lse_i = torch.empty_like(o_acc), torch.empty_like(lse_acc)
-            self._level_state(level, q, paged_kv_cache, False, sm_scale, o_i, lse_i)
+            self._state(level, q, paged_kv_cache, False, sm_scale, o_i, lse_i)
             o_next, lse_next = torch.empty_like(o_acc), torch.empty_like(lse_acc)
             self._merge(o_acc, lse_acc, o_i, lse_i, o_next, lse_next)
             o_acc, lse_acc = o_next, lse_next
@@ -555,8 +538,11 @@ class MultiLevelCascadeAttention:
         """
         if not self._planned:
             raise RuntimeError("MultiLevelCascadeAttention.run called before plan()")
-        if self.context_parallel_level is not None:
-            return self._run_context_parallel(q, paged_kv_cache, out, lse, return_lse, sm_scale)
+        if self.context_parallel_level is not None:  # its all-gather sits between the levels: no recording
+            if torch.compiler.is_compiling():
+                raise RuntimeError("MultiLevelCascadeAttention.run: a context-parallel plan is not traceable by "
+                                   "torch.compile (its all-gather sits between the levels)")
+            return self._run_traced(q, paged_kv_cache, out, lse, return_lse, sm_scale)
         if torch.compiler.is_compiling():
             return self._run_traced(q, paged_kv_cache, out, lse, return_lse, sm_scale)
         key = call_key(q, paged_kv_cache, out, lse, sm_scale)
@@ -638,11 +624,11 @@ class MultiLevelCascadeAttention:
             lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         if not self.use_cascade or self.num_levels == 1:
             level = self._levels[0] if self.use_cascade else self._flat
-            self._level_state(level, q, paged_kv_cache, self.causal, scale, out, lse)
+            self._state(level, q, paged_kv_cache, self.causal, scale, out, lse)
         else:
             o_up, lse_up = self._merged_levels(self._levels[:-1], q, paged_kv_cache, scale)
             o_last, lse_last = torch.empty_like(q), torch.empty_like(lse)
-            self._level_state(self._levels[-1], q, paged_kv_cache, self.causal, scale, o_last, lse_last)
+            self._state(self._levels[-1], q, paged_kv_cache, self.causal, scale, o_last, lse_last)
             self._merge(o_up, lse_up, o_last, lse_last, out, lse)
         return (out, lse) if return_lse else out
 
