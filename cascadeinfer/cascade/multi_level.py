@@ -57,6 +57,15 @@ class _DeviceLevel(LevelTensors):
     schedule: str | None = None  # decode levels: batch_decode_paged's schedule (None: from shapes)
 
 
+def _device_levels(levels: list[LevelArrays], packed: torch.Tensor, sizes: list[int]) -> list[_DeviceLevel]:
+    """The levels as views of ``packed``: per level, ``sizes`` gives its qo_indptr,
+    kv_indptr, kv_indices and kv_last_page_len in that order."""
+    views = list(torch.split(packed, sizes))
+    return [_DeviceLevel(views[4 * i], PageTable.trusted(*views[4 * i + 1:4 * i + 4], lv.page_size, lv.num_pages),
+                         decode=lv.decode)
+            for i, lv in enumerate(levels)]
+
+
 def _upload(levels: list[LevelArrays], device: torch.device, old: list[_DeviceLevel],
             packed: torch.Tensor | None) -> tuple[list[_DeviceLevel], torch.Tensor]:
     """The levels' tables as int32 on ``device``, all in one buffer (one host-to-device copy).
@@ -77,10 +86,7 @@ def _upload(levels: list[LevelArrays], device: torch.device, old: list[_DeviceLe
             o.decode, o.num_splits, o.schedule = lv.decode, None, None
         return old, packed
     packed = torch.from_numpy(np.concatenate(host, dtype=np.int32)).to(device)
-    views = list(torch.split(packed, sizes))
-    return [_DeviceLevel(views[4 * i], PageTable.trusted(*views[4 * i + 1:4 * i + 4], lv.page_size, lv.num_pages),
-                         decode=lv.decode)
-            for i, lv in enumerate(levels)], packed
+    return _device_levels(levels, packed, sizes), packed
 
 
 class _Staging:
@@ -133,10 +139,7 @@ def _upload_fixed(levels: list[LevelArrays], device: torch.device, capacity: lis
         staging.write(host, packed)
         return old, packed
     packed = torch.from_numpy(host).to(device)
-    views = list(torch.split(packed, sizes))
-    return [_DeviceLevel(views[4 * i], PageTable.trusted(*views[4 * i + 1:4 * i + 4], lv.page_size, lv.num_pages),
-                         decode=lv.decode)
-            for i, lv in enumerate(levels)], packed
+    return _device_levels(levels, packed, sizes), packed
 
 
 @dataclass(frozen=True, slots=True)
