@@ -343,7 +343,7 @@ class LLM:
         if not batch:  # nothing left to run, or every scheduled sequence just stopped
             return outputs
         if self._workers is not None:
-            copies, self.pool.copy_log[:] = list(self.pool.copy_log), []
+            copies, self.pool.copy_log = self.pool.copy_log, []
             self._workers.send(StepMessage([(RowView.of(s), n) for s, n in batch.prefill],
                                            [RowView.of(s) for s in batch.decode], copies))
         sample_seqs, logits, stats = self.runner.execute(batch, pending.tokens_of() if pending else None)

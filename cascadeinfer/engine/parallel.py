@@ -73,8 +73,8 @@ class RowView:
 
     @classmethod
     def of(cls, seq) -> RowView:
-        return cls(seq.seq_id, list(seq.pages), seq.num_computed,
-                   _TailTokens(seq.num_computed, seq.tokens[seq.num_computed:]))
+        """A view of ``seq`` for a message sent at once (its page list is shared, not copied)."""
+        return cls(seq.seq_id, seq.pages, seq.num_computed, _TailTokens(seq.num_computed, seq.tokens[seq.num_computed:]))
 
 
 @dataclass(slots=True)
