@@ -1,4 +1,5 @@
-"""merge_states_across over torch.distributed with the gloo backend: 2 CPU processes.
+"""The distributed paths over torch.distributed: 2 CPU processes joined by gloo, and the
+gpu-marked tests with NCCL (one GPU per process; those of 2 ranks need 2 GPUs).
 
 Each test body runs in every rank (``run_ranks``); an assertion failing in a rank fails
 the test. The ranks inherit the test run's kernel path (the Triton interpreter on a CPU)
@@ -22,20 +23,33 @@ from cascadeinfer.kernels.reference import attention_state_ref
 WORLD = 2
 
 
-def _rank_main(rank: int, world: int, init_file: str, body, args) -> None:
+def _rank_main(rank: int, world: int, init_file: str, backend: str, body, args) -> None:
     import conftest  # noqa: F401, PLC0415 - the interpreter patches, as in the parent
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    kw = {}
+    if backend == "nccl":  # GPU ``rank`` for rank ``rank``
+        kw["device_id"] = torch.device("cuda", rank)
+        torch.cuda.set_device(kw["device_id"])
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world, **kw)
     try:
         body(rank, world, *args)
     finally:
         dist.destroy_process_group()
 
 
-def run_ranks(body, *args, world: int = WORLD) -> None:
-    """Run ``body(rank, world, *args)`` in ``world`` fresh processes joined by gloo."""
+def run_ranks(body, *args, world: int = WORLD, backend: str = "gloo") -> None:
+    """Run ``body(rank, world, *args)`` in ``world`` fresh processes joined by ``backend``
+    (gloo on CPUs; NCCL with GPU ``rank`` current in rank ``rank``)."""
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_rank_main, args=(world, os.path.join(tmp, "init"), body, args), nprocs=world, join=True)
+        mp.spawn(_rank_main, args=(world, os.path.join(tmp, "init"), backend, body, args), nprocs=world, join=True)
+
+
+def _device(backend: str, rank: int) -> torch.device:
+    return torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+
+
+needs_two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                                    reason="needs 2 GPUs")
 
 
 def _split_keys(seed: int, rank: int, world: int, n: int, hq: int, hkv: int, d: int, dtype: torch.dtype):
@@ -63,8 +77,10 @@ def _split_keys(seed: int, rank: int, world: int, n: int, hq: int, hkv: int, d: 
     return o_part, lse_part, o_all, lse_all
 
 
-def _body_equals_attention_over_all_keys(rank, world, seed, dtype):
+def _body_equals_attention_over_all_keys(rank, world, seed, dtype, backend="gloo"):
     o_part, lse_part, o_ref, lse_ref = _split_keys(seed, rank, world, 7, 4, 2, 32, dtype)
+    dev = _device(backend, rank)
+    o_part, lse_part, o_ref, lse_ref = (x.to(dev) for x in (o_part, lse_part, o_ref, lse_ref))
     out = torch.full_like(o_part, float("nan"))
     out_lse = torch.full_like(lse_part, float("nan"))
     o, lse = merge_states_across(o_part, lse_part, out=out, out_lse=out_lse)
@@ -85,7 +101,7 @@ def test_merge_states_across_equals_attention_over_all_keys(dtype):
     run_ranks(_body_equals_attention_over_all_keys, 11, dtype)
 
 
-def _body_lse_gaps(rank, world):
+def _body_lse_gaps(rank, world, backend="gloo"):
     """States 80 apart in LSE (either way) merge without overflow or NaN, to float64's merge."""
     g = torch.Generator().manual_seed(5)
     n, h, d = 6, 3, 16
@@ -94,7 +110,9 @@ def _body_lse_gaps(rank, world):
     lse_all[1] += 80.0 * torch.sign(torch.randn(n, h, generator=g))
     lse_all[0, 2] = -math.inf  # rank 0 saw none of row 2's keys
     o_all[0, 2] = 0.0
-    o, lse = merge_states_across(o_all[rank].clone(), lse_all[rank].clone())
+    dev = _device(backend, rank)
+    o, lse = merge_states_across(o_all[rank].clone().to(dev), lse_all[rank].clone().to(dev))
+    o, lse = o.cpu(), lse.cpu()
     m = lse_all.double().max(dim=0).values
     w = torch.exp(lse_all.double() - m)
     lse_ref = m + torch.log(w.sum(0))
@@ -131,7 +149,7 @@ def test_merge_states_across_one_rank_and_bad_input():
 # ---- the context-parallel cascade
 
 
-def _body_context_parallel(rank, world, cases):
+def _body_context_parallel(rank, world, cases, backend="gloo"):
     import random  # noqa: PLC0415
 
     from test_cascade import check_close, random_tree, reference, tables  # noqa: PLC0415
@@ -140,40 +158,53 @@ def _body_context_parallel(rank, world, cases):
     from cascadeinfer.layouts.paged_cache import unpack_paged_kv_cache  # noqa: PLC0415
 
     hq, hkv, d, batch = 4, 2, 32, 4
+    dev = _device(backend, rank)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    tol = 2e-2 if dtype == torch.bfloat16 else 2e-5  # the parts' roundings differ from the whole's
     for seed, num_levels, cp_level, qpr, causal, page in cases:
         rng = random.Random(seed)
         torch.manual_seed(seed)  # every rank draws the same tables, cache and queries
         levels, used = random_tree(rng, num_levels, batch, 5 * page + 1, page, qpr, causal)
         num_pages = used + 3
         perm = torch.randperm(num_pages).tolist()
-        cache = torch.randn(num_pages, 2, page, hkv, d)
-        q = torch.randn(batch * qpr, hq, d)
-        tabs = tables(levels, page, perm, torch.device("cpu"))
-        attn = MultiLevelCascadeAttention(num_levels, device="cpu", context_parallel_level=cp_level)
+        cache = torch.randn(num_pages, 2, page, hkv, d).to(dev, dtype)
+        q = torch.randn(batch * qpr, hq, d).to(dev, dtype)
+        tabs = tables(levels, page, perm, dev)
+        attn = MultiLevelCascadeAttention(num_levels, device=dev, context_parallel_level=cp_level)
         attn.plan(*tabs, hq, hkv, d, page, causal=causal, num_pages=num_pages)
         out = torch.full_like(q, float("nan"))
         o, lse = attn.run(q, cache, out=out, return_lse=True)
         assert o is out
-        whole = MultiLevelCascadeAttention(num_levels, device="cpu")
+        whole = MultiLevelCascadeAttention(num_levels, device=dev)
         whole.plan(*tabs, hq, hkv, d, page, causal=causal, num_pages=num_pages, use_cascade=True)
         o_whole, lse_whole = whole.run(q, cache, return_lse=True)
-        torch.testing.assert_close(o, o_whole, atol=2e-5, rtol=2e-5)
-        torch.testing.assert_close(lse, lse_whole, atol=2e-5, rtol=2e-5)
-        o_ref, lse_ref = reference(q, unpack_paged_kv_cache(cache, "NHD"), levels, perm, batch, qpr, causal,
-                                   d ** -0.5)
-        check_close(o, lse, o_ref, lse_ref, torch.float32)
+        torch.testing.assert_close(o.float(), o_whole.float(), atol=tol, rtol=tol)
+        torch.testing.assert_close(lse, lse_whole, atol=tol, rtol=tol)
+        o_ref, lse_ref = reference(q.cpu(), unpack_paged_kv_cache(cache.cpu(), "NHD"), levels, perm, batch, qpr,
+                                   causal, d ** -0.5)
+        check_close(o.cpu(), lse.cpu(), o_ref, lse_ref, dtype)
+        if dev.type == "cuda":  # replayed from a CUDA graph, the all-gather captured with it
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                attn.run(q, cache, out=out)
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            torch.testing.assert_close(out.float(), o_whole.float(), atol=tol, rtol=tol)
+
+
+_CP_CASES = [
+    (3, 2, 0, 1, False, 4),  # shared prefix split, decode level whole
+    (8, 3, 1, 1, False, 4),  # a middle level split
+    (5, 1, 0, 1, False, 16),  # one level: each request's own pages split
+    (9, 2, 0, 2, True, 4),  # causal last level; the prefix level split
+]
 
 
 def test_context_parallel_cascade_equals_the_whole_cascade():
     """A level's pages cut across 2 ranks (groups shorter than the ranks get empty shares),
     its states merged across them: the single-process cascade's answer on every rank."""
-    cases = [
-        (3, 2, 0, 1, False, 4),  # shared prefix split, decode level whole
-        (8, 3, 1, 1, False, 4),  # a middle level split
-        (5, 1, 0, 1, False, 16),  # one level: each request's own pages split
-        (9, 2, 0, 2, True, 4),  # causal last level; the prefix level split
-    ]
-    run_ranks(_body_context_parallel, cases)
+    run_ranks(_body_context_parallel, _CP_CASES)
 
 
 def test_context_parallel_plan_rejects():
@@ -418,3 +449,69 @@ def test_nccl_world_of_one_runs_the_same_path(tmp_path):
         torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
     finally:
         dist.destroy_process_group()
+
+
+# ---- NCCL on 2 GPUs
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+def test_nccl_merge_states_across_on_two_gpus():
+    for dtype in (torch.float32, torch.bfloat16):
+        run_ranks(_body_equals_attention_over_all_keys, 11, dtype, "nccl", backend="nccl")
+    run_ranks(_body_lse_gaps, "nccl", backend="nccl")
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+def test_nccl_context_parallel_cascade_on_two_gpus():
+    """Each GPU its share of a level's pages (bf16), eagerly and replayed from a CUDA graph
+    with the all-gather inside: the one-GPU cascade's answer and the float64 reference's."""
+    run_ranks(_body_context_parallel, _CP_CASES, "nccl", backend="nccl")
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tensor_parallel_engine_on_two_gpus(arch, tmp_path):
+    """TP=2 over NCCL, decode steps captured in CUDA graphs with their all-reduces inside:
+    greedy tokens equal TP=1's on one GPU and transformers'."""
+    from test_engine import GREEDY, SHARED, UNSHARED, _tiny, hf_greedy  # noqa: PLC0415
+
+    from cascadeinfer.engine import LLM, SamplingParams  # noqa: PLC0415
+
+    model = _tiny(arch, tmp_path)
+    prompts = SHARED + UNSHARED
+    params = [SamplingParams(max_tokens=6 + i, n=2 if i == 1 else 1, **GREEDY) for i in range(len(prompts))]
+    kw = dict(device="cuda:0", dtype=torch.float32, page_size=4, num_pages=96, record_steps=True)
+    one = [[s.token_ids for s in o.outputs] for o in LLM(tmp_path, **kw).generate(prompts, params)]
+    llm = LLM(tmp_path, tensor_parallel_size=2, **kw)
+    try:
+        two = [[s.token_ids for s in o.outputs] for o in llm.generate(prompts, params)]
+        assert any(s.graph for s in llm.step_stats)
+        assert llm.cache.copies > 0
+    finally:
+        llm.close()
+    assert two == one
+    for prompt, p, outs in zip(prompts, params, two):
+        assert all(t == hf_greedy(model, prompt, p.max_tokens, "cuda:0") for t in outs)
+
+
+def test_bench_reports_the_all_reduce_time(tmp_path, monkeypatch):
+    """``cascadeinfer bench --tensor-parallel-size 2`` (2 CPU processes): the decode step's
+    all-reduces timed on both ranks, beside the step; ``--num-layers`` cuts a preset."""
+    import json  # noqa: PLC0415
+
+    from cascadeinfer.engine.cli import main  # noqa: PLC0415
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--preset", "tiny", "--num-layers", "1", "--requests", "3", "--prefix", "9", "--suffix",
+                 "3", "--new-tokens", "4", "--page-size", "4", "--device", "cpu", "--modes", "cascade",
+                 "--tensor-parallel-size", "2", "--skip-check", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["workload"]["num_layers"] == 1 and result["workload"]["tensor_parallel_size"] == 2
+    row = result["rows"][0]
+    assert 0 < row["all_reduce_ms"] and row["all_reduce_share_of_step"] > 0
+    with pytest.raises(SystemExit, match="--num-layers"):
+        main(["bench", "--preset", "tiny", "--num-layers", "0", "--device", "cpu"])

@@ -412,6 +412,11 @@ def test_bench_floors_by_hand():
     assert llama.body_params + llama.head_params == pytest.approx(7.5e9, rel=0.01)
     assert llama.kv_bytes_per_token == 128 * 1024 and llama.flops_per_pair == 4 * 32 * 32 * 128
     assert memory_needed(preset("tiny"), w, 4) > 0
+    big = preset("llama3-70b")
+    assert big.num_parameters() == pytest.approx(70.6e9, rel=0.01)
+    one, two = memory_needed(big, w, 2), memory_needed(big, w, 2, 2)
+    head = 2 * big.vocab_size * big.hidden_size * 2  # the embedding and output projection, whole on each device
+    assert two == pytest.approx((one - head) / 2 + head, rel=1e-6)
     with pytest.raises(ValueError, match="copy_bytes_per_s"):
         Ceilings(0.0, 1.0)
     with pytest.raises(ValueError, match="new_tokens"):

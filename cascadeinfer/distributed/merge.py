@@ -22,13 +22,13 @@ def merge_states_across(
     Every rank holds the state of the same ``n`` query rows over its own part of the keys
     (e.g. its share of a long prefix's pages) and calls this with tensors of the same
     shapes and dtypes (a collective). Each rank gets the state over all the parts: the
-    states are gathered (one all-gather each for ``o`` and ``lse``) and merged locally by
+    states are gathered (one all-gather of both, as bytes) and merged locally by
     :func:`~cascadeinfer.kernels.merge.merge_states`, in rank order on every rank, so every
     rank gets the same bits.
 
     Args:
-        o: ``[n, H, D]`` fp16/bf16/fp32, last dim contiguous (other strides are gathered
-            through a contiguous copy: the collective needs one).
+        o: ``[n, H, D]`` fp16/bf16/fp32, last dim contiguous (it is copied once, with
+            ``lse``, into the one buffer the collective sends).
         lse: ``[n, H]`` float32, NATURAL-log sum of exp of the scaled scores; ``-inf`` marks
             an empty part (a rank that saw none of a row's keys holds ``(0, -inf)``, which
             changes nothing and never gives NaN).
@@ -45,9 +45,19 @@ def merge_states_across(
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("merge_states_across: torch.distributed is not initialised (init_process_group first)")
     world = dist.get_world_size(group)
-    # The ranks' states side by side: [world, n, H, D] and [world, n, H].
-    all_o = torch.empty((world, *o.shape), dtype=o.dtype, device=o.device)
-    all_lse = torch.empty((world, *lse.shape), dtype=torch.float32, device=o.device)
-    dist.all_gather(list(all_o.unbind(0)), o.contiguous(), group=group)
-    dist.all_gather(list(all_lse.unbind(0)), lse.contiguous(), group=group)
+    # One collective, not two: each rank's o and lse go as the bytes of one row of a
+    # [world, bytes] buffer (o first, padded so that the lse that follows is 4-byte aligned).
+    o_bytes = o.numel() * o.element_size()
+    at = -(-o_bytes // 4) * 4
+    row = at + lse.numel() * 4
+    mine = torch.empty(row, dtype=torch.uint8, device=o.device)
+    mine[:o_bytes].view(o.dtype).view(o.shape).copy_(o)
+    mine[at:].view(torch.float32).view(lse.shape).copy_(lse)
+    rows = torch.empty((world, row), dtype=torch.uint8, device=o.device)
+    if o.device.type == "cuda":  # NCCL gathers straight into the buffer
+        dist.all_gather_into_tensor(rows, mine, group=group)
+    else:
+        dist.all_gather(list(rows.unbind(0)), mine, group=group)
+    all_o = rows[:, :o_bytes].view(o.dtype).view(world, *o.shape)
+    all_lse = rows[:, at:].view(torch.float32).view(world, *lse.shape)
     return merge_states(all_o.transpose(0, 1), all_lse.transpose(0, 1), out=out, out_lse=out_lse)

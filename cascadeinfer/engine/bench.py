@@ -47,7 +47,9 @@ Reported per run (table, and every number in ``--json PATH``):
 Floors are lower bounds: they leave out what a perfect kernel could avoid or overlap
 (activations, the prefill's reads of the prefix, norms, sampling). With
 ``--tensor-parallel-size N`` they are one device's share (1/N of the layers' weights,
-heads and KV, the whole output projection) and leave out the all-reduces.
+heads and KV, the whole output projection) and leave out the all-reduces, whose time
+per decode step is reported beside them: the step's 2 · layers all-reduces of
+``[batch, hidden]``, timed alone on every rank (replayed from a CUDA graph on GPUs).
 """
 
 from __future__ import annotations
@@ -78,6 +80,8 @@ def add_bench_args(b: argparse.ArgumentParser) -> None:
     src = b.add_mutually_exclusive_group()
     src.add_argument("--preset", default=None, choices=sorted(PRESETS), help="random weights of these shapes (default llama3-8b)")
     src.add_argument("--model", default=None, help="a local checkpoint directory instead of a preset")
+    b.add_argument("--num-layers", type=int, default=None,
+                   help="a preset with this many of its layers (e.g. a 70B model's shapes on fewer devices)")
     b.add_argument("--requests", type=int, default=256)
     b.add_argument("--prefix", type=int, default=4096, help="shared system-prompt tokens")
     b.add_argument("--suffix", type=int, default=128, help="unique tokens per request")
@@ -245,12 +249,14 @@ def decode_step_floor(costs: ModelCosts, ceil: Ceilings, step) -> float:
                             kv_read=step.kv_tokens_shared_once)
 
 
-def memory_needed(mc: ModelConfig, workload: Workload, elem_bytes: int) -> int:
-    """Bytes the engine needs at least: the weights, and the workload's K/V with the
-    shared prefix held once."""
-    kv = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * elem_bytes
+def memory_needed(mc: ModelConfig, workload: Workload, elem_bytes: int, tensor_parallel_size: int = 1) -> int:
+    """Bytes one device needs at least: its share of the weights (the embedding and output
+    projection whole on every device) and of the workload's K/V, the shared prefix held once."""
+    n = tensor_parallel_size
+    kv = 2 * mc.num_layers * mc.num_kv_heads // n * mc.head_dim * elem_bytes
     tokens = workload.prefix + workload.requests * (workload.suffix + workload.new_tokens)
-    return mc.num_parameters() * elem_bytes + tokens * kv
+    whole = mc.vocab_size * mc.hidden_size * (1 if mc.tie_word_embeddings else 2)
+    return ((mc.num_parameters() - whole) // n + whole) * elem_bytes + tokens * kv
 
 
 def memory_available(device: torch.device) -> int:
@@ -419,6 +425,9 @@ def engine_run(llm, mode: str, setting: Setting, device: torch.device) -> dict:
                    achieved_gb_s=(costs.weight_bytes + kv_read) / step / 1e9,
                    fraction_of_copy_bw=(costs.weight_bytes + kv_read) / step / ceil.copy_bytes_per_s,
                    cascade_steps=sum(bool(s.cascade) for s in full), graph_steps=sum(s.graph for s in full))
+        all_reduce = llm.time_all_reduce(batch)
+        if all_reduce is not None:  # tensor parallelism: the step's all-reduces, timed alone
+            row.update(all_reduce_ms=all_reduce * 1e3, all_reduce_share_of_step=all_reduce / step)
     return row
 
 
@@ -503,7 +512,8 @@ _COLUMNS = [("engine", "engine"), ("output_tokens", "output tokens"), ("wall_s",
             ("tokens_per_s", "output tok/s"), ("fraction_of_floor", "of floor"), ("prefill_s", "prefill s"),
             ("prefill_floor_s", "prefill floor s"), ("decode_step_ms", "decode step ms"),
             ("decode_step_floor_ms", "step floor ms"), ("prefill_tokens", "prompt tok computed"),
-            ("prompt_tokens", "prompt tok submitted"), ("kv_read_gb", "KV GB/step"), ("achieved_gb_s", "achieved GB/s")]
+            ("prompt_tokens", "prompt tok submitted"), ("kv_read_gb", "KV GB/step"), ("achieved_gb_s", "achieved GB/s"),
+            ("all_reduce_ms", "all-reduce ms/step")]
 
 
 def _fmt(x) -> str:
@@ -590,16 +600,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
         mc = ModelConfig.from_dir(args.model) if args.model else preset(name)
     except ModelLoadError as exc:
         raise SystemExit(f"--model: {exc}") from None
-    need, free = memory_needed(mc, workload, elem), memory_available(device)
+    if args.num_layers is not None:
+        if args.model or not 1 <= args.num_layers:
+            raise SystemExit("--num-layers: a positive count, with a preset (not --model)")
+        mc = replace(mc, num_layers=args.num_layers)
+    tp = kwargs["tensor_parallel_size"]
+    need, free = memory_needed(mc, workload, elem, tp), memory_available(device)
     if need > free and not args.force:
         raise SystemExit(f"{'--model' if args.model else '--preset'} {name}: its weights and this workload's KV cache "
-                         f"need {need / 1e9:.1f} GB in {str(dtype).removeprefix('torch.')}, but {device.type} has "
+                         f"need {need / 1e9:.1f} GB per device in {str(dtype).removeprefix('torch.')} "
+                         f"(tensor parallel size {tp}), but {device.type} has "
                          f"{free / 1e9:.1f} GB free; use a smaller model (e.g. --preset tiny on a CPU) or a smaller "
                          "workload, or pass --force to try anyway")
 
     env = _environment(device)
     info = {"requests": args.requests, "prefix": args.prefix, "suffix": args.suffix, "new_tokens": args.new_tokens,
-            "model": name, "dtype": str(dtype).removeprefix("torch."), "modes": modes, "page_size": kwargs["page_size"],
+            "model": name, "num_layers": mc.num_layers, "tensor_parallel_size": tp,
+            "dtype": str(dtype).removeprefix("torch."), "modes": modes, "page_size": kwargs["page_size"],
             "max_num_batched_tokens": kwargs["max_num_batched_tokens"], "max_num_seqs": kwargs["max_num_seqs"]}
     print("# " + ", ".join(f"{k} {v}" for k, v in env.items()), flush=True)
     print("# workload: " + ", ".join(f"{k} {v}" for k, v in info.items()), flush=True)

@@ -508,6 +508,16 @@ class LLM:
             self._workers.close()
             self._workers = None
 
+    def time_all_reduce(self, tokens: int) -> float | None:
+        """Seconds the all-reduces of one forward over ``tokens`` rows take alone (two per
+        layer, ``[tokens, hidden]`` in the engine's dtype; on GPUs replayed from a CUDA
+        graph), the slowest rank's; None without tensor parallelism. Every rank takes part."""
+        if self._workers is None:
+            return None
+        shape = (tokens, self.model_config.hidden_size)
+        return self._workers.time_all_reduce(shape, self.config.dtype, 2 * self.model_config.num_layers,
+                                             self.config.device)
+
     def set_use_cascade(self, use_cascade: bool | None) -> None:
         """Switch the decode attention mode: cascade (True), flat (False), planner (None)."""
         self.config = replace(self.config, use_cascade=use_cascade)

@@ -247,6 +247,11 @@ PRESETS: dict[str, ModelConfig] = {
         num_qo_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
         rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 8192), max_position_embeddings=131072,
         bos_token_id=128000, eos_token_ids=(128001, 128009), torch_dtype=torch.bfloat16),
+    "llama3-70b": ModelConfig(
+        model_type="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_layers=80,
+        num_qo_heads=64, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 8192), max_position_embeddings=131072,
+        bos_token_id=128000, eos_token_ids=(128001, 128009), torch_dtype=torch.bfloat16),
     "llama2-7b": ModelConfig(
         model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32,
         num_qo_heads=32, num_kv_heads=32, head_dim=128, rms_norm_eps=1e-5, max_position_embeddings=4096,

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import statistics
 import tempfile
+import time
 import traceback
 from dataclasses import dataclass, field
 
@@ -79,12 +81,14 @@ class RowView:
 
 @dataclass(slots=True)
 class StepMessage:
-    """One step for the workers: its rows and the page copies made before it."""
+    """One step for the workers: its rows and the page copies made before it; or, with
+    ``probe``, the arguments of :func:`all_reduce_seconds` for every rank to time."""
 
     prefill: list[tuple[RowView, int]] = field(default_factory=list)
     decode: list[RowView] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
     stop: bool = False
+    probe: tuple | None = None
 
     def batch(self):
         from cascadeinfer.engine.scheduler import ScheduledBatch  # noqa: PLC0415
@@ -135,6 +139,11 @@ class Workers:
             dist.broadcast_object_list([message], src=0, group=self.group)
         except Exception as exc:  # a worker died or hung: the collective failed or timed out
             raise RuntimeError(f"tensor parallelism: a worker stopped answering ({exc})") from exc
+
+    def time_all_reduce(self, shape: tuple[int, ...], dtype: torch.dtype, count: int, device: torch.device) -> float:
+        """:func:`all_reduce_seconds` on every rank at once (the workers between steps)."""
+        self.send(StepMessage(probe=(shape, dtype, count)))
+        return all_reduce_seconds(shape, dtype, count, device, self.group)
 
     def check_alive(self) -> None:
         dead = [(i + 1, p.exitcode) for i, p in enumerate(self._procs) if not p.is_alive()]
@@ -204,11 +213,49 @@ def serve(rank: int, size: int, device: torch.device, build: dict, model=None) -
         message: StepMessage = box[0]
         if message.stop:
             return
+        if message.probe is not None:
+            all_reduce_seconds(*message.probe, device, dist.group.WORLD)
+            continue
         if message.copies:
             src, dst = zip(*message.copies)
             idx = torch.tensor([src, dst], dtype=torch.int32).to(device)
             copy_pages(pool.cache, idx[0], idx[1], validate=False)
         runner.execute(message.batch())
+
+
+def all_reduce_seconds(shape: tuple[int, ...], dtype: torch.dtype, count: int, device: torch.device,
+                       group=None, reps: int = 20) -> float:
+    """Seconds that ``count`` all-reduces of a ``shape`` tensor take back to back, as a
+    step runs them (on a GPU replayed from one CUDA graph; the median of ``reps``), the
+    slowest rank's. Every rank of ``group`` must call it (a collective)."""
+    x = torch.ones(shape, dtype=dtype, device=device)
+    dist.all_reduce(x, group=group)  # the communicator exists before any capture
+
+    def run() -> None:
+        for _ in range(count):
+            dist.all_reduce(x, group=group)
+
+    times = []
+    if device.type == "cuda":
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        graph.replay()
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            graph.replay()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) * 1e-3)
+    else:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - t0)
+    slowest = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    return slowest.item()
 
 
 def launched_group(size: int, device: torch.device) -> tuple[int, torch.device, bool] | None:
