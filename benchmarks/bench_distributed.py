@@ -9,10 +9,11 @@ world size the ranks (one GPU each, NCCL; ``torch.multiprocessing``) plan the sa
 two-level cascade with ``context_parallel_level=0``: each rank reads its share of the
 prefix's pages, every rank the whole suffixes, and the prefix states are merged across
 the ranks (:func:`cascadeinfer.distributed.merge_states_across`). Reported per (world,
-batch): the time of one decode step (the slowest rank's median of CUDA-event-timed eager
-calls), its speedup over one GPU, the floor of one rank's share (max of bytes over the
+batch): the time of one decode step (the slowest rank's median of CUDA-event-timed
+replays of a CUDA graph of it, the all-gather inside; eager calls beside it), its
+speedup over one GPU, the floor of one rank's share (max of bytes over the
 copy bandwidth and FLOPs over the matmul rate, both measured on each rank), the fraction
-reached, and the cross-rank merge's own time. Every rank checks its output against a
+reached, and the cross-rank merge's own time (graph replays of ``merge_states_across``). Every rank checks its output against a
 one-process cascade of the same tables first.
 
 Tensor parallelism of the engine is measured by ``cascadeinfer bench --tensor-parallel-size N``.
@@ -47,9 +48,16 @@ def tables(batch: int, prefix: int, suffix: int, device: torch.device):
     return [[x.to(device) for x in level] for level in t], pp + batch * sp
 
 
-def timed(fn, device: torch.device, reps: int) -> float:
-    """Median seconds of ``fn`` (CUDA events on a GPU, wall time on a CPU)."""
+def timed(fn, device: torch.device, reps: int, *, graph: bool = False) -> float:
+    """Median seconds of ``fn``: CUDA events around eager calls or, with ``graph``, around
+    replays of one CUDA graph of it (its collectives captured too); wall time on a CPU."""
     for _ in range(3):
+        fn()
+    if graph and device.type == "cuda":
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured):
+            fn()
+        fn = captured.replay
         fn()
     times = []
     for _ in range(reps):
@@ -96,10 +104,14 @@ def _rank(rank: int, world: int, init: str, cases: list, smoke: bool, results) -
             if err > (2e-2 if dtype == torch.bfloat16 else 1e-4):
                 raise AssertionError(f"rank {rank}: context-parallel output off by {err} at {(batch, context)}")
             reps = 5 if smoke else 50
-            step = timed(lambda: attn.run(q, pool), device, reps)
+            out = torch.empty_like(q)
+            step = timed(lambda: attn.run(q, pool, out=out), device, reps, graph=True)
+            eager = timed(lambda: attn.run(q, pool, out=out), device, reps)
             state, lse = torch.randn(batch, hq, d, dtype=dtype, device=device), torch.randn(batch, hq, device=device)
-            merge = timed(lambda: merge_states_across(state, lse), device, reps)
-            slowest = torch.tensor([step, merge], dtype=torch.float64, device=device)
+            merged, merged_lse = torch.empty_like(state), torch.empty_like(lse)
+            merge = timed(lambda: merge_states_across(state, lse, out=merged, out_lse=merged_lse), device, reps,
+                          graph=True)
+            slowest = torch.tensor([step, eager, merge], dtype=torch.float64, device=device)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             token_bytes = 2 * hkv * d * torch.empty((), dtype=dtype).element_size()
             share = prefix / world
@@ -107,7 +119,8 @@ def _rank(rank: int, world: int, init: str, cases: list, smoke: bool, results) -
                                    4 * batch * hq * d * (share + suffix), copy_bw, mm_rate)
             if rank == 0:
                 results.append(dict(world=world, batch=batch, context=context, suffix=suffix,
-                                    step_us=slowest[0].item() * 1e6, merge_us=slowest[1].item() * 1e6,
+                                    step_us=slowest[0].item() * 1e6, eager_step_us=slowest[1].item() * 1e6,
+                                    merge_us=slowest[2].item() * 1e6,
                                     floor_us=floor * 1e6 if cuda else None, max_err=err))
             del pool
     finally:
@@ -141,15 +154,16 @@ def main() -> None:
                      nprocs=world, join=True)
             rows += list(results)
     base = {(r["batch"], r["context"]): r["step_us"] for r in rows if r["world"] == 1}
-    print("| world | batch | context | step us | speedup vs 1 | floor us (one rank's share) | of floor | merge across ranks us |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| world | batch | context | step us | speedup vs 1 | floor us (one rank's share) | of floor | "
+          "merge across ranks us | eager step us |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         one = base.get((r["batch"], r["context"]))
         step, floor = r["step_us"], r["floor_us"]
         speedup = f"{one / step:.2f}" if one else "—"
         floor_cells = ("—", "—") if floor is None else (f"{floor:.1f}", f"{floor / step:.2f}")
         print(f"| {r['world']} | {r['batch']} | {r['context']} | {step:.1f} | {speedup} | {floor_cells[0]} | "
-              f"{floor_cells[1]} | {r['merge_us']:.1f} |")
+              f"{floor_cells[1]} | {r['merge_us']:.1f} | {r['eager_step_us']:.1f} |")
     from benchmarks._common import environment, write_json  # noqa: PLC0415
 
     write_json(args.json, dict(env=environment(), rows=rows))

@@ -315,6 +315,45 @@ def test_tensor_parallel_engine_gives_the_same_tokens(arch, tmp_path, monkeypatc
         assert all(t == hf_greedy(model, prompt, p.max_tokens, "cpu") for t in outs)
 
 
+def test_step_rows_send_page_lists_once_then_their_ends():
+    """RowSender/RowReceiver: the worker's page lists equal rank 0's through growth,
+    copy-on-write of the last page, a replaced list, a step without the sequence and a
+    list cut short; a running sequence's row carries its last page sent and the new ones."""
+    import pickle  # noqa: PLC0415
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    from cascadeinfer.engine.parallel import RowReceiver, RowSender  # noqa: PLC0415
+    from cascadeinfer.engine.scheduler import ScheduledBatch  # noqa: PLC0415
+
+    a = SimpleNamespace(seq_id=0, pages=[4, 5, 6], num_computed=10, tokens=list(range(11)))
+    b = SimpleNamespace(seq_id=1, pages=[4, 7], num_computed=6, tokens=list(range(7)))
+    sender, receiver = RowSender(), RowReceiver()
+
+    def step(prefill, decode):
+        message = pickle.loads(pickle.dumps(sender.message(ScheduledBatch(prefill, decode), [])))
+        got = receiver.batch(message)
+        for view, seq in zip([v for v, _ in got.prefill] + got.decode, [s for s, _ in prefill] + decode):
+            assert (view.seq_id, view.pages, view.num_computed) == (seq.seq_id, seq.pages, seq.num_computed)
+            assert view.num_tokens == len(seq.tokens)
+            assert view.tokens[seq.num_computed:] == seq.tokens[seq.num_computed:]
+        return message
+
+    assert step([(b, 1)], [a]).decode[0][3] == 0  # first time: whole
+    a.pages.append(8)
+    a.num_computed, b.num_computed = 11, 7
+    a.tokens.append(11)
+    b.tokens.append(7)
+    assert step([], [a, b]).decode[0][3:] == (2, [6, 8])  # from the last page sent on
+    a.pages[-1] = 9  # copy-on-write of the last page
+    b.pages = [4, 7, 10]  # a new list (a fork, a re-admission)
+    assert step([], [a, b]).decode[1][3] == 0
+    step([], [b])  # a left out: forgotten by both sides
+    a.pages.append(11)
+    assert step([], [a, b]).decode[0][3] == 0
+    del b.pages[1:]  # the same list, shorter: sent whole
+    assert step([], [a, b]).decode[1][3] == 0
+
+
 def test_tensor_parallel_engine_stops_when_a_worker_dies(tmp_path, monkeypatch):
     from test_engine import GREEDY, SHARED, _tiny  # noqa: PLC0415
 
@@ -418,7 +457,7 @@ def test_nccl_world_of_one_runs_the_same_path(tmp_path):
 
     from cascadeinfer import MultiLevelCascadeAttention  # noqa: PLC0415
 
-    dev = torch.device("cuda")
+    dev = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1,
                             device_id=dev)
     try:

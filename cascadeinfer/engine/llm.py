@@ -22,7 +22,7 @@ from cascadeinfer.engine.config import EngineConfig
 from cascadeinfer.engine.llama import LlamaForCausalLM, TensorParallel
 from cascadeinfer.engine.model_loader import ModelConfig, load_tokenizer, parse_dtype
 from cascadeinfer.engine.model_runner import ModelRunner, StepStats
-from cascadeinfer.engine.parallel import RowView, StepMessage, Workers, launched_group, serve
+from cascadeinfer.engine.parallel import Workers, launched_group, serve
 from cascadeinfer.engine.prefix_cache import PrefixCache
 from cascadeinfer.engine.sampling import SamplingParams, sample, sample_seed
 from cascadeinfer.engine.scheduler import ScheduledBatch, Scheduler
@@ -336,7 +336,7 @@ class LLM:
             if not batch:
                 raise RuntimeError("scheduler: no sequence could be scheduled (the KV pool is too small)")
         outputs: list[RequestOutput] = []
-        if pending is not None and not (batch and self._workers is None and self.runner.overlappable(batch)):
+        if pending is not None and not (batch and self.runner.overlappable(batch)):
             outputs = self._resolve(pending, updates)
             pending = None
             batch = _without_finished(batch) if batch else None
@@ -344,8 +344,7 @@ class LLM:
             return outputs
         if self._workers is not None:
             copies, self.pool.copy_log = self.pool.copy_log, []
-            self._workers.send(StepMessage([(RowView.of(s), n) for s, n in batch.prefill],
-                                           [RowView.of(s) for s in batch.decode], copies))
+            self._workers.send_step(batch, copies, from_previous=pending is not None)
         sample_seqs, logits, stats = self.runner.execute(batch, pending.tokens_of() if pending else None)
         if pending is not None:
             outputs = self._resolve(pending, updates)  # waits for the previous step's copy only
@@ -362,6 +361,9 @@ class LLM:
         rows = [s for s, _ in targets]
         step = _Pending(targets, sample(logits, [s.params for s in rows], [s.seed for s in rows],
                                         [s.num_tokens - s.prompt_len for s in rows]))
+        if self._workers is not None and self.runner.graphs is not None and rows:
+            # The workers' next step may take its tokens from these, before rank 0 reads them.
+            self._workers.send_samples(step.device_tokens, [s.seq_id for s in rows])
         for seq in rows:
             seq.tokens.append(_PLACEHOLDER)
             # A length limit needs no token value: finish now, so the next step has no row for it.

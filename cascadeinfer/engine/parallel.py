@@ -11,7 +11,7 @@ every rank runs the same forward; the row-parallel projections' all-reduces keep
 step, and every rank computes the same logits, of which rank 0 samples.
 
 The process group is ``torch.distributed``'s (gloo on CPUs, NCCL on GPUs, one device per
-rank), started with a timeout: a worker that dies or hangs ends the run with an error on
+rank; the step messages go through a gloo group on GPUs too), started with a timeout: a worker that dies or hangs ends the run with an error on
 the other ranks instead of a silent wait.
 """
 
@@ -73,31 +73,87 @@ class RowView:
     def num_tokens(self) -> int:
         return len(self.tokens)
 
-    @classmethod
-    def of(cls, seq) -> RowView:
-        """A view of ``seq`` for a message sent at once (its page list is shared, not copied)."""
-        return cls(seq.seq_id, seq.pages, seq.num_computed, _TailTokens(seq.num_computed, seq.tokens[seq.num_computed:]))
-
 
 @dataclass(slots=True)
 class StepMessage:
-    """One step for the workers: its rows and the page copies made before it; or, with
-    ``probe``, the arguments of :func:`all_reduce_seconds` for every rank to time."""
+    """One step for the workers: its rows (as :class:`RowSender` encodes them) and the page
+    copies made before it; or, with ``probe``, the arguments of :func:`all_reduce_seconds`
+    for every rank to time."""
 
-    prefill: list[tuple[RowView, int]] = field(default_factory=list)
-    decode: list[RowView] = field(default_factory=list)
+    prefill: list[tuple[tuple, int]] = field(default_factory=list)
+    decode: list[tuple] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
     stop: bool = False
     probe: tuple | None = None
+    # The seq_ids of the rows of the samples rank 0 broadcast (NCCL) since the last message:
+    # the worker posts the matching broadcast first. With ``from_previous`` the step takes
+    # its rows' last tokens from them (rank 0 has not read them: it is a step ahead).
+    samples: list[int] | None = None
+    from_previous: bool = False
 
-    def batch(self):
+
+class RowSender:
+    """Rank 0's side of the rows each step sends, as little as the workers need.
+
+    A row is ``(seq_id, num_computed, tokens from num_computed on, start, pages[start:])``.
+    A sequence's page list goes whole (``start`` 0) the first time it is sent and whenever
+    its list was replaced (admission, preemption, fork); while the sequence runs step
+    after step the list only grows at its end and copy-on-write replaces only its last
+    page, so from then on it is sent from the last page sent before. A sequence missing
+    from a step is forgotten by both sides and sent whole when it comes back.
+    """
+
+    def __init__(self) -> None:
+        self._sent: dict[int, tuple[list[int], int]] = {}  # seq_id -> (its list, length sent)
+
+    def message(self, batch, copies: list[tuple[int, int]], from_previous: bool = False) -> StepMessage:
+        sent, self._sent = self._sent, {}
+        return StepMessage([(self._row(s, sent), n) for s, n in batch.prefill],
+                           [self._row(s, sent) for s in batch.decode], copies, from_previous=from_previous)
+
+    def _row(self, seq, sent: dict) -> tuple:
+        pages = seq.pages
+        before = sent.get(seq.seq_id)
+        start = 0
+        if before is not None and before[0] is pages and before[1] <= len(pages):
+            start = max(before[1] - 1, 0)
+        self._sent[seq.seq_id] = (pages, len(pages))
+        done = seq.num_computed
+        return seq.seq_id, done, seq.tokens[done:], start, pages[start:]
+
+
+class RowReceiver:
+    """A worker's side: the rows of each step as :class:`RowView` s, page lists rebuilt."""
+
+    def __init__(self) -> None:
+        self._pages: dict[int, list[int]] = {}
+
+    def batch(self, message: StepMessage):
         from cascadeinfer.engine.scheduler import ScheduledBatch  # noqa: PLC0415
 
-        return ScheduledBatch(list(self.prefill), list(self.decode))
+        known, self._pages = self._pages, {}
+        return ScheduledBatch([(self._view(r, known), n) for r, n in message.prefill],
+                              [self._view(r, known) for r in message.decode])
+
+    def _view(self, row: tuple, known: dict) -> RowView:
+        seq_id, done, tail, start, pages_tail = row
+        pages = known[seq_id] if start else []
+        pages[start:] = pages_tail
+        self._pages[seq_id] = pages
+        return RowView(seq_id, pages, done, _TailTokens(done, tail))
 
 
 def backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
+
+
+def control_group(device: torch.device):
+    """The group the step messages go through: on GPUs a gloo group beside the NCCL one, so
+    that a message is pickled and sent by the CPUs without a copy to or from a device or a
+    wait on its stream; on CPUs the default group. Every rank makes it, in the same order."""
+    if device.type != "cuda":
+        return dist.group.WORLD
+    return dist.new_group(backend="gloo", timeout=_timeout())
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
@@ -116,9 +172,13 @@ class Workers:
         self.size = size
         self._closed = False
         self._owns_group = launched is None or launched[2]
+        self._nccl = device.type == "cuda"
+        self._rows = RowSender()
+        self._samples: list[int] | None = None
         if launched is not None:
             self._dir, self._procs = None, []
             self.group = dist.group.WORLD
+            self.control = control_group(device)
             return
         self._dir = tempfile.TemporaryDirectory(prefix="cascadeinfer-tp-")
         init = f"file://{os.path.join(self._dir.name, 'init')}"
@@ -131,12 +191,29 @@ class Workers:
             torch.cuda.set_device(rank_device(device, 0))
         dist.init_process_group(backend(device), init_method=init, rank=0, world_size=size, timeout=_timeout())
         self.group = dist.group.WORLD
+        self.control = control_group(device)
+
+    def send_step(self, batch, copies: list[tuple[int, int]], from_previous: bool = False) -> None:
+        """Broadcast what ``batch`` (a :class:`~cascadeinfer.engine.scheduler.ScheduledBatch`)
+        runs and the page copies made before it; ``from_previous``: its input tokens are
+        the samples of :meth:`send_samples`, not the rows' (placeholders)."""
+        self.send(self._rows.message(batch, copies, from_previous))
+
+    def send_samples(self, tokens: torch.Tensor, seq_ids: list[int]) -> None:
+        """Broadcast a step's samples (int64 ``[rows]``, on the device, unread) to the
+        workers' devices, for a next step that runs before rank 0 reads them; enqueued on
+        the stream, no wait. The next message tells the workers the rows' seq_ids."""
+        if tokens.dtype != torch.int64 or tokens.shape != (len(seq_ids),):
+            raise ValueError(f"tokens: expected int64 [{len(seq_ids)}], got {tokens.dtype} {tuple(tokens.shape)}")
+        dist.broadcast(tokens, src=0, group=self.group)
+        self._samples = seq_ids
 
     def send(self, message: StepMessage) -> None:
-        """Broadcast one step; a dead worker raises here (or in the step's collectives)."""
+        """Broadcast one message; a dead worker raises here (or in the step's collectives)."""
         self.check_alive()
+        message.samples, self._samples = self._samples, None
         try:
-            dist.broadcast_object_list([message], src=0, group=self.group)
+            dist.broadcast_object_list([message], src=0, group=self.control)
         except Exception as exc:  # a worker died or hung: the collective failed or timed out
             raise RuntimeError(f"tensor parallelism: a worker stopped answering ({exc})") from exc
 
@@ -155,17 +232,21 @@ class Workers:
         if self._closed:
             return
         self._closed = True
+        alive = all(p.is_alive() for p in self._procs)  # (a launcher's ranks: assumed alive)
         try:
-            if all(p.is_alive() for p in self._procs):  # (a launcher's ranks: assumed alive)
-                dist.broadcast_object_list([StepMessage(stop=True)], src=0, group=self.group)
+            if alive:
+                self.send(StepMessage(stop=True))
         except Exception:  # noqa: BLE001 - closing after a failure: the workers are gone already
-            pass
+            alive = False
+        # The workers end their group as they stop; NCCL's teardown waits for every rank's,
+        # so rank 0 ends its own at the same time, before waiting for them to exit. With a
+        # rank gone NCCL's would never return: the group is left to the process's exit.
+        if self._owns_group and dist.is_initialized() and (alive or not self._nccl):
+            dist.destroy_process_group()
         for p in self._procs:
-            p.join(timeout=10)
+            p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-        if self._owns_group and dist.is_initialized():  # a group the caller started stays
-            dist.destroy_process_group()
         if self._dir is not None:
             self._dir.cleanup()
 
@@ -194,6 +275,7 @@ def serve(rank: int, size: int, device: torch.device, build: dict, model=None) -
     from cascadeinfer.engine.model_runner import ModelRunner  # noqa: PLC0415
     from cascadeinfer.layouts.pool import PagedKVPool, copy_pages  # noqa: PLC0415
 
+    control = control_group(device)  # first: rank 0 makes it as it starts the workers
     config = build["engine_config"]
     config = EngineConfig(**{**{f: getattr(config, f) for f in EngineConfig.__dataclass_fields__}, "device": device})
     mc = build["model_config"]
@@ -207,10 +289,16 @@ def serve(rank: int, size: int, device: torch.device, build: dict, model=None) -
     pool = PagedKVPool(mc.num_layers, build["num_pages"], config.page_size, mc.num_kv_heads // size, mc.head_dim,
                        dtype=config.dtype, device=device, kv_layout=config.kv_layout)
     runner = ModelRunner(model, pool, config)
+    rows = RowReceiver()
+    previous = None
     while True:
         box: list = [None]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=control)
         message: StepMessage = box[0]
+        if message.samples is not None:  # rank 0's last samples, in the collectives' order
+            tokens = torch.empty(len(message.samples), dtype=torch.int64, device=device)
+            dist.broadcast(tokens, src=0)
+            previous = (tokens, {seq_id: i for i, seq_id in enumerate(message.samples)})
         if message.stop:
             return
         if message.probe is not None:
@@ -220,7 +308,7 @@ def serve(rank: int, size: int, device: torch.device, build: dict, model=None) -
             src, dst = zip(*message.copies)
             idx = torch.tensor([src, dst], dtype=torch.int32).to(device)
             copy_pages(pool.cache, idx[0], idx[1], validate=False)
-        runner.execute(message.batch())
+        runner.execute(rows.batch(message), previous if message.from_previous else None)
 
 
 def all_reduce_seconds(shape: tuple[int, ...], dtype: torch.dtype, count: int, device: torch.device,
