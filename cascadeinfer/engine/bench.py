@@ -680,11 +680,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if row.get("graphs_captured_while_timed"):
             line += f"; WARNING: {row['graphs_captured_while_timed']} CUDA graphs were captured while timed"
         print(line, flush=True)
-    llm = None
-    free_memory()
 
     print()
-    print(table(rows))
+    print(table(rows), flush=True)
     rel = ratios(rows)
     if rel:
         print("\n" + "; ".join(f"{k}: {v:.2f}x" for k, v in rel.items()))
@@ -696,4 +694,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
                    "floors": floors, "rows": rows, "ratios": rel}
         with open(args.json, "w") as f:
             json.dump(payload, f, indent=1)
+    if llm is not None:  # the results are out first: stopping workers is the last thing
+        llm.close()
     return 0
