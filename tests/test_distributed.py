@@ -354,6 +354,19 @@ def test_step_rows_send_page_lists_once_then_their_ends():
     assert step([], [a, b]).decode[1][3] == 0
 
 
+def test_captured_steps_are_freed_before_the_workers_stop():
+    """NCCL's teardown waits for every CUDA graph that captured its collectives: closing a
+    tensor-parallel engine frees its captured steps first, then stops the workers."""
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    from cascadeinfer.engine.llm import _stop_workers  # noqa: PLC0415
+
+    order = []
+    runner = SimpleNamespace(graphs=SimpleNamespace(release=lambda: order.append("graphs")))
+    _stop_workers(SimpleNamespace(close=lambda: order.append("workers")), runner)
+    assert order == ["graphs", "workers"]
+
+
 def test_tensor_parallel_engine_stops_when_a_worker_dies(tmp_path, monkeypatch):
     from test_engine import GREEDY, SHARED, _tiny  # noqa: PLC0415
 

@@ -182,7 +182,6 @@ class LLM:
                     dist.destroy_process_group()
                 raise SystemExit(0)
             self._workers = Workers(cfg.tensor_parallel_size, cfg.device, build, launched=self._launched)
-            weakref.finalize(self, self._workers.close)
         self.pool = PagedKVPool(mc.num_layers, num_pages, cfg.page_size, mc.num_kv_heads // cfg.tensor_parallel_size,
                                 mc.head_dim, dtype=cfg.dtype, device=cfg.device, kv_layout=cfg.kv_layout)
         if self._workers is not None:
@@ -191,6 +190,8 @@ class LLM:
         self.scheduler = Scheduler(self.cache, max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=cfg.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.pool, cfg)
+        if self._workers is not None:
+            weakref.finalize(self, _stop_workers, self._workers, self.runner)
         self._requests: dict[int, _Request] = {}
         self._next_request = 0
         self._next_seq = 0
@@ -507,7 +508,7 @@ class LLM:
         """Stop the tensor-parallel workers (if any) and end their process group. The
         engine is unusable afterwards; it also happens when the engine is collected."""
         if getattr(self, "_workers", None) is not None:
-            self._workers.close()
+            _stop_workers(self._workers, self.runner)
             self._workers = None
 
     def time_all_reduce(self, tokens: int) -> float | None:
@@ -572,6 +573,14 @@ class _Pending:
     def tokens_of(self) -> tuple[torch.Tensor, dict[int, int]]:
         """The samples on the device and each sequence's index in them, by ``seq_id``."""
         return self.device_tokens, self.row_of
+
+
+def _stop_workers(workers: Workers, runner: ModelRunner) -> None:
+    """Stop the tensor-parallel workers, the captured steps freed first (see
+    :meth:`~cascadeinfer.engine.model_runner.DecodeGraphs.release`)."""
+    if runner.graphs is not None:
+        runner.graphs.release()
+    workers.close()
 
 
 def _without_finished(batch: ScheduledBatch) -> ScheduledBatch:

@@ -300,6 +300,13 @@ class DecodeGraphs:
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
+    def release(self) -> None:
+        """Free every captured step (a later step captures again). Under tensor parallelism
+        this comes before the NCCL group ends: NCCL's teardown waits until every CUDA graph
+        that captured its collectives is gone, so ending it first never returns."""
+        torch.cuda.synchronize(self.device)
+        self.steps.clear()
+
     @property
     def num_captured(self) -> int:
         return sum(step.graph is not None for step in self.steps.values())

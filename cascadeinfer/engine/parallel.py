@@ -273,7 +273,7 @@ def serve(rank: int, size: int, device: torch.device, build: dict, model=None) -
     from cascadeinfer.engine.config import EngineConfig  # noqa: PLC0415
     from cascadeinfer.engine.llama import LlamaForCausalLM, TensorParallel  # noqa: PLC0415
     from cascadeinfer.engine.model_runner import ModelRunner  # noqa: PLC0415
-    from cascadeinfer.layouts.pool import PagedKVPool, copy_pages  # noqa: PLC0415
+    from cascadeinfer.layouts.pool import PagedKVPool  # noqa: PLC0415
 
     control = control_group(device)  # first: rank 0 makes it as it starts the workers
     config = build["engine_config"]
@@ -289,6 +289,16 @@ def serve(rank: int, size: int, device: torch.device, build: dict, model=None) -
     pool = PagedKVPool(mc.num_layers, build["num_pages"], config.page_size, mc.num_kv_heads // size, mc.head_dim,
                        dtype=config.dtype, device=device, kv_layout=config.kv_layout)
     runner = ModelRunner(model, pool, config)
+    try:
+        _serve_steps(runner, pool, device, control)
+    finally:
+        if runner.graphs is not None:  # before the group ends (DecodeGraphs.release says why)
+            runner.graphs.release()
+
+
+def _serve_steps(runner, pool, device: torch.device, control) -> None:
+    from cascadeinfer.layouts.pool import copy_pages  # noqa: PLC0415
+
     rows = RowReceiver()
     previous = None
     while True:
