@@ -288,12 +288,13 @@ def test_tensor_parallel_sizes_must_divide_the_model():
 # ---- the tensor-parallel engine
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_tensor_parallel_engine_gives_the_same_tokens(arch, tmp_path, monkeypatch):
+@pytest.mark.parametrize("arch, graph_path", [("llama", False), ("qwen2", False), ("llama", True)])
+def test_tensor_parallel_engine_gives_the_same_tokens(arch, graph_path, tmp_path, monkeypatch):
     """LLM(..., tensor_parallel_size=2): a worker process holds the other half of the heads
     and MLP; greedy tokens equal TP=1's and transformers', with shared prompts, n > 1
     samples (their copy-on-write page copies repeated in the worker) and requests that
-    finish at different times."""
+    finish at different times. On the decode graph path (run eagerly here) rank 0 is a
+    step ahead and the worker takes the tokens from the broadcast samples."""
     from test_engine import GREEDY, SHARED, UNSHARED, _tiny, hf_greedy  # noqa: PLC0415
 
     from cascadeinfer.engine import LLM, SamplingParams  # noqa: PLC0415
@@ -302,12 +303,14 @@ def test_tensor_parallel_engine_gives_the_same_tokens(arch, tmp_path, monkeypatc
     model = _tiny(arch, tmp_path)
     prompts = SHARED + UNSHARED
     params = [SamplingParams(max_tokens=3 + i, n=2 if i == 1 else 1, **GREEDY) for i in range(len(prompts))]
-    kw = dict(device="cpu", dtype=torch.float32, page_size=4, num_pages=96)
+    kw = dict(device="cpu", dtype=torch.float32, page_size=4, num_pages=96, decode_graph_path=graph_path,
+              record_steps=True)
     one = [[s.token_ids for s in o.outputs] for o in LLM(tmp_path, **kw).generate(prompts, params)]
     llm = LLM(tmp_path, tensor_parallel_size=2, **kw)
     try:
         two = [[s.token_ids for s in o.outputs] for o in llm.generate(prompts, params)]
         assert llm.cache.copies > 0  # the n = 2 request copied its shared last page
+        assert any(s.graph for s in llm.step_stats) == graph_path
     finally:
         llm.close()
     assert two == one

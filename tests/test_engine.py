@@ -499,7 +499,7 @@ def test_cli_bench_refuses_what_cannot_run(monkeypatch, tmp_path):
     from cascadeinfer.engine.cli import main  # noqa: PLC0415
 
     monkeypatch.setattr(bench, "memory_available", lambda device: 8 * 10**9)
-    with pytest.raises(SystemExit, match="--preset llama3-8b: .* need 29.5 GB per device in bfloat16 \(tensor parallel size 1\), but cpu has 8.0 GB.*--force"):
+    with pytest.raises(SystemExit, match=r"--preset llama3-8b: .* need 29.5 GB per device in bfloat16 \(tensor parallel size 1\), but cpu has 8.0 GB.*--force"):
         main(["bench", "--preset", "llama3-8b", "--device", "cpu", "--dtype", "bfloat16"])
     with pytest.raises(SystemExit, match="--modes"):
         main(_BENCH + ["--device", "cpu", "--modes", "cascade,warp"])

@@ -37,6 +37,10 @@ class EngineConfig:
         cascade_levels: levels of the decode cascade (>= 2: shared prefix levels, then the
             per-request suffix; 1 is flat decode).
         enforce_eager: never capture CUDA graphs.
+        decode_graph_path: run pure decode steps through the fixed-size buffers of the
+            captured-graph path (with the host a step ahead): None does so where graphs are
+            captured; True also where they are not (a CPU, ``enforce_eager``: the same path
+            run eagerly, for tests); False never.
         max_graph_batch: largest decode batch run through a captured CUDA graph.
         kv_layout: "NHD" or "HND" pages.
         seed: engine seed; requests without a seed derive theirs from it.
@@ -58,6 +62,7 @@ class EngineConfig:
     use_cascade: bool | None = None
     cascade_levels: int = 2
     enforce_eager: bool = False
+    decode_graph_path: bool | None = None
     max_graph_batch: int = 256
     kv_layout: str = "NHD"
     seed: int = 0
@@ -79,6 +84,8 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "enforce_eager", "check_metadata", "record_steps"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}: expected a bool, got {getattr(self, name)!r}")
+        if self.decode_graph_path not in (None, True, False):
+            raise TypeError(f"decode_graph_path: expected None, True or False, got {self.decode_graph_path!r}")
         if self.use_cascade not in (None, True, False):
             raise TypeError(f"use_cascade: expected None, True or False, got {self.use_cascade!r}")
         check_kv_layout(self.kv_layout)

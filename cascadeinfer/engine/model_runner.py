@@ -117,7 +117,8 @@ class ModelRunner:
         mc = model.config
         self.sm_scale = mc.head_dim ** -0.5
         self.page_size = pool.page_size
-        self.graphs = DecodeGraphs(self) if config.use_graphs else None
+        path = config.use_graphs if config.decode_graph_path is None else config.decode_graph_path
+        self.graphs = DecodeGraphs(self, capture=config.use_graphs) if path else None
 
     def _plan_decode(self, levels: list[HostLevel]) -> MultiLevelCascadeAttention:
         mc = self.model.config
@@ -304,7 +305,8 @@ class DecodeGraphs:
         """Free every captured step (a later step captures again). Under tensor parallelism
         this comes before the NCCL group ends: NCCL's teardown waits until every CUDA graph
         that captured its collectives is gone, so ending it first never returns."""
-        torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         self.steps.clear()
 
     @property

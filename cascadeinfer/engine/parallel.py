@@ -85,9 +85,10 @@ class StepMessage:
     copies: list[tuple[int, int]] = field(default_factory=list)
     stop: bool = False
     probe: tuple | None = None
-    # The seq_ids of the rows of the samples rank 0 broadcast (NCCL) since the last message:
-    # the worker posts the matching broadcast first. With ``from_previous`` the step takes
-    # its rows' last tokens from them (rank 0 has not read them: it is a step ahead).
+    # The seq_ids of the rows of rank 0's last samples, broadcast right after this message
+    # (on the default group: NCCL on GPUs): the worker posts the matching broadcast first.
+    # With ``from_previous`` the step takes its rows' last tokens from them (rank 0 has
+    # not read them: it is a step ahead).
     samples: list[int] | None = None
     from_previous: bool = False
 
@@ -200,20 +201,23 @@ class Workers:
         self.send(self._rows.message(batch, copies, from_previous))
 
     def send_samples(self, tokens: torch.Tensor, seq_ids: list[int]) -> None:
-        """Broadcast a step's samples (int64 ``[rows]``, on the device, unread) to the
-        workers' devices, for a next step that runs before rank 0 reads them; enqueued on
-        the stream, no wait. The next message tells the workers the rows' seq_ids."""
+        """A step's samples (int64 ``[rows]``, on the device, unread) go to the workers'
+        devices with the next message, for a next step that runs before rank 0 reads them:
+        that message names the rows' seq_ids, then the tokens are broadcast (enqueued on
+        the stream, no wait), where every worker posts the same broadcast after reading it."""
         if tokens.dtype != torch.int64 or tokens.shape != (len(seq_ids),):
             raise ValueError(f"tokens: expected int64 [{len(seq_ids)}], got {tokens.dtype} {tuple(tokens.shape)}")
-        dist.broadcast(tokens, src=0, group=self.group)
-        self._samples = seq_ids
+        self._samples = (tokens, seq_ids)
 
     def send(self, message: StepMessage) -> None:
         """Broadcast one message; a dead worker raises here (or in the step's collectives)."""
         self.check_alive()
-        message.samples, self._samples = self._samples, None
+        samples, self._samples = self._samples, None
+        message.samples = samples[1] if samples is not None else None
         try:
             dist.broadcast_object_list([message], src=0, group=self.control)
+            if samples is not None:
+                dist.broadcast(samples[0], src=0, group=self.group)
         except Exception as exc:  # a worker died or hung: the collective failed or timed out
             raise RuntimeError(f"tensor parallelism: a worker stopped answering ({exc})") from exc
 
