@@ -1,0 +1,1 @@
+"""Integrations of cascadeinfer's kernels into other inference engines (optional extras)."""
