@@ -22,11 +22,14 @@ def register(replace: str | None = None) -> None:
     in that backend's place too."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend  # noqa: PLC0415
 
-    register_backend("CASCADEINFER", BACKEND_PATH)
+    if "CASCADEINFER" in AttentionBackendEnum.__members__:  # registered before: vLLM calls this in every process
+        register_backend(AttentionBackendEnum["CASCADEINFER"], BACKEND_PATH)
+    else:
+        register_backend("CASCADEINFER", BACKEND_PATH)
     replace = replace or os.environ.get("CASCADEINFER_VLLM_REPLACE") or None
     if replace is not None:
         try:
-            member = AttentionBackendEnum[replace]
+            member = AttentionBackendEnum.__members__[replace]
         except KeyError:
             raise ValueError(f"replace: vLLM has no attention backend named {replace!r}") from None
         register_backend(member, BACKEND_PATH)

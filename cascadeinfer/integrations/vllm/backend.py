@@ -15,10 +15,14 @@ module only adapts vLLM's classes to it:
   may capture the layers around attention (piecewise graphs) but not attention itself.
 * :class:`CascadeAttentionImpl` writes the layer's new K/V and attends
   (:func:`run_step`), inside ``forward``.
+
+``CASCADEINFER_VLLM_USE_CASCADE=1`` (or ``0``) forces the decode rows' cascade (or flat
+decode) instead of the planner's choice.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -92,6 +96,7 @@ class CascadeMetadataBuilder(AttentionMetadataBuilder[CascadeMetadata]):
         self.head_dim = kv_cache_spec.head_size
         self.block_size = kv_cache_spec.block_size
         self.dtype = kv_cache_spec.dtype
+        self.use_cascade = _use_cascade()
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> CascadeMetadata:
@@ -101,8 +106,17 @@ class CascadeMetadataBuilder(AttentionMetadataBuilder[CascadeMetadata]):
         plan = plan_step(m.block_table_tensor[:m.num_reqs], seq_lens[:m.num_reqs], m.query_start_loc_cpu[:m.num_reqs + 1],
                          m.slot_mapping, m.num_actual_tokens, block_size=self.block_size, num_blocks=num_blocks,
                          num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                         dtype=self.dtype, device=self.device)
+                         dtype=self.dtype, device=self.device, use_cascade=self.use_cascade)
         return CascadeMetadata(plan)
+
+
+def _use_cascade() -> bool | None:
+    """``CASCADEINFER_VLLM_USE_CASCADE``: "1" forces the decode rows' cascade, "0" flat
+    decode; unset (or empty), the planner chooses each step."""
+    value = os.environ.get("CASCADEINFER_VLLM_USE_CASCADE", "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"CASCADEINFER_VLLM_USE_CASCADE: expected 0, 1 or unset, got {value!r}")
+    return None if value == "" else value == "1"
 
 
 class CascadeAttentionImpl(AttentionImpl):
