@@ -184,13 +184,19 @@ def _body_context_parallel(rank, world, cases, backend="gloo"):
                                    causal, d ** -0.5)
         check_close(o.cpu(), lse.cpu(), o_ref, lse_ref, dtype)
         if dev.type == "cuda":  # replayed from a CUDA graph, the all-gather captured with it
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                attn.run(q, cache, out=out)
-            out.fill_(float("nan"))
-            graph.replay()
-            torch.cuda.synchronize()
-            torch.testing.assert_close(out.float(), o_whole.float(), atol=tol, rtol=tol)
+            replayed = _replayed(lambda: attn.run(q, cache, out=out), out)
+            torch.testing.assert_close(replayed.float(), o_whole.float(), atol=tol, rtol=tol)
+
+
+def _replayed(run, out: torch.Tensor) -> torch.Tensor:
+    """``run()`` captured in a CUDA graph, ``out`` poisoned, the graph replayed: ``out``."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    return out
 
 
 _CP_CASES = [
@@ -495,13 +501,8 @@ def test_nccl_world_of_one_runs_the_same_path(tmp_path):
         out = torch.empty_like(q)
         cp.run(q, cache, out=out)
         torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            cp.run(q, cache, out=out)
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+        replayed = _replayed(lambda: cp.run(q, cache, out=out), out)
+        torch.testing.assert_close(replayed.float(), expected.float(), atol=2e-2, rtol=2e-2)
     finally:
         dist.destroy_process_group()
 

@@ -88,3 +88,8 @@ def test_tokens_equal_vllms_own_backend(model, use_cascade, tiny_models, smollm2
     assert ours["attention"] == ["CascadeAttentionImpl"]
     assert ours["runs"] == theirs["runs"]
     assert theirs["runs"][0] == theirs["runs"][1]  # the prefix cache changed nothing
+    steps = ours["steps"]  # (decode rows, prefill rows?, cascade?) of every step
+    assert any(d and prefill for d, prefill, _ in steps)  # decode and prefill in one step
+    assert any(d > 1 and not prefill for d, prefill, _ in steps)  # decode-only steps
+    if use_cascade:
+        assert all(c is (use_cascade == "1") for d, _, c in steps if d)

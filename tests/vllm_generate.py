@@ -1,6 +1,6 @@
 """Run one vLLM (CPU build) engine over the shared-prompt scenarios and write the tokens
 and the attention implementation that ran as JSON: ``python tests/vllm_generate.py
-MODEL_DIR OUT_JSON``. With
+MODEL_DIR OUT_JSON`` (with our backend, each step's plan too). With
 ``CASCADEINFER_VLLM_REPLACE=CPU_ATTN`` in the environment our backend runs in place of
 vLLM's own (the plugin's entry point reads it); without, vLLM's runs. Called by
 tests/test_vllm_plugin.py, one process per engine.
@@ -33,8 +33,28 @@ def scenarios(vocab: int) -> list[tuple[list[int], dict]]:
     return out
 
 
+def record_steps() -> list[list]:
+    """With our backend: every step's plan as (decode rows, prefill rows?, cascade?),
+    recorded in this process (vLLM runs its engine here: no worker processes)."""
+    steps: list[list] = []
+    if not os.environ.get("CASCADEINFER_VLLM_REPLACE"):
+        return steps
+    from cascadeinfer.integrations.vllm import backend  # noqa: PLC0415
+
+    plan_step = backend.plan_step
+
+    def recorded(*args, **kwargs):
+        plan = plan_step(*args, **kwargs)
+        steps.append([plan.num_decodes, plan.prefill is not None, plan.use_cascade])
+        return plan
+
+    backend.plan_step = recorded
+    return steps
+
+
 def main() -> None:
     model, out_path = sys.argv[1], sys.argv[2]
+    steps = record_steps()
     llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, dtype="float32", block_size=32,
               max_model_len=256, max_num_seqs=8, max_num_batched_tokens=96, seed=0, kv_cache_memory_bytes=64 << 20,
               enable_prefix_caching=True)
@@ -48,7 +68,7 @@ def main() -> None:
         runs.append([[list(c.token_ids) for c in o.outputs] for o in outs])
     impls = llm.apply_model(lambda model: sorted({type(m.impl).__name__ for m in model.modules() if hasattr(m, "impl")}))
     with open(out_path, "w") as f:
-        json.dump({"runs": runs, "attention": impls[0]}, f)
+        json.dump({"runs": runs, "attention": impls[0], "steps": steps}, f)
 
 
 if __name__ == "__main__":

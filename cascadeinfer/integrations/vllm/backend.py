@@ -101,8 +101,10 @@ class CascadeMetadataBuilder(AttentionMetadataBuilder[CascadeMetadata]):
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> CascadeMetadata:
         m = common_attn_metadata
+        # Host copies: vLLM's own of the lengths (exact without speculative decoding) where it
+        # keeps one; the block table is read from the device (one copy per step on a GPU).
         seq_lens = m.seq_lens_cpu_upper_bound if m.seq_lens_cpu_upper_bound is not None else m.seq_lens
-        num_blocks = self.vllm_config.cache_config.num_gpu_blocks or int(m.block_table_tensor.max()) + 1
+        num_blocks = self.vllm_config.cache_config.num_gpu_blocks  # None: not checked
         plan = plan_step(m.block_table_tensor[:m.num_reqs], seq_lens[:m.num_reqs], m.query_start_loc_cpu[:m.num_reqs + 1],
                          m.slot_mapping, m.num_actual_tokens, block_size=self.block_size, num_blocks=num_blocks,
                          num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,

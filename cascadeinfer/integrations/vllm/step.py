@@ -97,7 +97,7 @@ def plan_step(
     num_tokens: int,
     *,
     block_size: int,
-    num_blocks: int,
+    num_blocks: int | None,
     num_qo_heads: int,
     num_kv_heads: int,
     head_dim: int,
@@ -108,8 +108,9 @@ def plan_step(
 ) -> StepPlan:
     """Plan one step (host work, once for all layers); see the module docstring for the
     inputs. ``num_tokens``: the step's real query tokens (the rest of ``slot_mapping``
-    and of the layers' inputs is padding). ``use_cascade`` forces the decode rows'
-    cascade (True) or flat decode (False); None lets the planner choose."""
+    and of the layers' inputs is padding). ``num_blocks``: the cache's blocks, to check
+    the decode rows' blocks against (None: not checked). ``use_cascade`` forces the decode
+    rows' cascade (True) or flat decode (False); None lets the planner choose."""
     qsl = np.asarray(query_start_loc.cpu() if isinstance(query_start_loc, torch.Tensor) else query_start_loc,
                      dtype=np.int64)
     lens = np.asarray(seq_lens.cpu() if isinstance(seq_lens, torch.Tensor) else seq_lens, dtype=np.int64)
