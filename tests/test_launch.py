@@ -138,7 +138,7 @@ def test_merges_replay(device, monkeypatch):
     v, s = states(0)
     ci.merge_states(v, s, validate=False)
     ci.merge_state(v[:, 0], s[:, 0], v[:, 1], s[:, 1], validate=False)
-    forbid(monkeypatch, merge_mod, "_launch_dense")
+    forbid(monkeypatch, merge_mod, "merge_states_unchecked")
     forbid(monkeypatch, merge_mod, "_merge_two")
     v, s = states(1)
     o, lse = ci.merge_states(v, s, validate=False)

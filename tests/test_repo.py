@@ -30,11 +30,12 @@ def test_output_locations_come_from_arguments():
 
 
 def test_the_repository_speaks_of_the_product_only():
-    """Text and result file names speak in shapes, devices, versions and dates, and name
-    no path outside the repository."""
+    """Text and result file names speak in shapes, devices, versions and dates (not in
+    numbered rounds of work), and name no path outside the repository."""
     import re  # noqa: PLC0415
 
-    pattern = re.compile(r"\bsessions?\b|\bissue ?#?\d|\bissue's\b|\blent\b|/work/|\bticket", re.IGNORECASE)
+    pattern = re.compile(r"\bsessions?\b|\bissue ?#?\d|\bissue's\b|\blent\b|/work/|\bticket|\brounds? ?-?\d",
+                         re.IGNORECASE)
     allowed = re.compile(r"""@pytest\.fixture\(scope=["']\w+["']\)""")  # a fixture scope is a pytest word
     offenders = []
     for path in [*ROOT.glob("*.md"), *ROOT.glob("docs/*.md"), *ROOT.glob("cascadeinfer/**/*.py"),

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cascadeinfer.kernels.prefill import groups_tile_config
+from cascadeinfer.kernels import groups_tile_config
 
 
 @dataclass(frozen=True, slots=True)

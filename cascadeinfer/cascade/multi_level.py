@@ -35,10 +35,14 @@ from cascadeinfer._checks import (
 from cascadeinfer.cascade.context_parallel import page_share
 from cascadeinfer.cascade.plan import LevelArrays, LevelTensors, check_levels, choose_cascade, flat_page_table
 from cascadeinfer.distributed import merge_states_across
-from cascadeinfer.kernels.decode import batch_decode_paged, pick_decode_schedule
+from cascadeinfer.kernels import (
+    batch_decode_paged,
+    batch_prefill_paged,
+    merge_state,
+    paged_num_splits,
+    pick_decode_schedule,
+)
 from cascadeinfer.kernels.launch import LaunchCache, Recording, call_key, recording
-from cascadeinfer.kernels.merge import merge_state
-from cascadeinfer.kernels.prefill import batch_prefill_paged, paged_num_splits
 from cascadeinfer.layouts.page_table import PageTable
 from cascadeinfer.layouts.paged_cache import cache_tensors, check_kv_layout, check_layout_fits, unpack_paged_kv_cache
 from cascadeinfer.ops import split_cache

@@ -37,7 +37,7 @@ from cascadeinfer.engine.llama import LlamaForCausalLM
 from cascadeinfer.engine.scheduler import ScheduledBatch
 from cascadeinfer.engine.sequence import Sequence
 from cascadeinfer.kernels.append import append_paged_kv_cache
-from cascadeinfer.kernels.prefill import batch_prefill_paged, batch_prefill_ragged
+from cascadeinfer.kernels import batch_prefill_paged, batch_prefill_ragged
 from cascadeinfer.layouts.pool import PagedKVPool
 
 

@@ -674,7 +674,7 @@ def _launch_per_request(q, kv: PagedKV, kv_indptr, kv_indices, kv_last_page_len,
     )
     if split:
         # Stage 2 (inputs checked here already: the internal launcher, no second check).
-        merge_mod._launch_dense(part_o, part_lse, out, lse)
+        merge_mod.merge_states_unchecked(part_o, part_lse, out, lse)
 
 
 # --------------------------------------------------------------------------- reference

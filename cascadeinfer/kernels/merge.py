@@ -374,9 +374,12 @@ def _launch_two(v_a, s_a, v_b, s_b, out, out_lse, mask, *, config=None) -> None:
     )
 
 
-def _launch_dense(v, s, out, out_lse) -> None:
-    """Dense merge of ``v: [n, S, H, D]``: two states take the two-state kernel (all loads
-    issued up front, no pass over the LSEs first), more take the many-state kernel."""
+def merge_states_unchecked(v, s, out, out_lse) -> None:
+    """Dense merge of ``v: [n, S, H, D]`` with LSEs ``s: [n, S, H]`` into ``out``/``out_lse``
+    without any check: for launchers merging split states they laid out and checked
+    themselves (:func:`merge_states` is the checked call). Two states take the two-state
+    kernel (all loads issued up front, no pass over the LSEs first), more the many-state
+    kernel."""
     if v.shape[1] == 2:
         _launch_two(v[:, 0], s[:, 0], v[:, 1], s[:, 1], out, out_lse, None)
     else:
@@ -639,7 +642,7 @@ def merge_states(
         return out, out_lse
     if use_triton(v.device):
         with recorded(_MERGE_STATES, key, (v, s, out, out_lse)):
-            _launch_dense(v, s, out, out_lse)
+            merge_states_unchecked(v, s, out, out_lse)
     else:
         o, lse = merge_states_ref(v, s)
         out.copy_(o)
