@@ -489,8 +489,12 @@ def test_cli_bench_in_either_order(order, device, torch_path, capsys, tmp_path):
         assert row["decode_steps"] == 2 and row["preemptions"] == 0  # request 0 is a step ahead
     assert rows["cascade"]["cascade_steps"] == rows["cascade"]["decode_steps"] and rows["flat"]["cascade_steps"] == 0
     assert rows["cascade"]["kv_read_gb"] < rows["flat"]["kv_read_gb"]
-    hf = rows["hf"]  # transformers' continuous batching, or a line saying why it did not run
-    assert hf.get("output_tokens") == 20 and hf["fraction_of_floor"] > 0 or "generate_batch" in hf["error"]
+    hf = rows["hf"]  # transformers' continuous batching, where the installed version has it
+    if hasattr(transformers.LlamaForCausalLM, "generate_batch"):
+        assert "error" not in hf, hf["error"]
+        assert hf["output_tokens"] == 20 and hf["fraction_of_floor"] > 0
+    else:
+        assert "has no generate_batch" in hf["error"]
     assert set(result["ratios"]) >= {"cascade / flat tokens/s", "flat / cascade decode step"}
 
 

@@ -473,10 +473,12 @@ def hf_run(mc: ModelConfig, dtype: torch.dtype, device: torch.device, setting: S
     log.setLevel(logging.ERROR)  # a warning per call about the persistent manager otherwise
     model = None
     try:
-        model = _hf_model(mc, dtype, device)
-        # Both calls in inference mode: the persistent manager's tensors are made in the
-        # first and reset in place by the second, which fails across the mode boundary.
-        with torch.inference_mode():
+        # Out of inference mode (the command line runs in it): the manager runs the model on
+        # a thread of its own, outside the caller's thread-local mode, and updates the
+        # model's and its own tensors in place, which inference tensors forbid. Gradients
+        # are off all the same.
+        with torch.inference_mode(False), torch.no_grad():
+            model = _hf_model(mc, dtype, device)
             model.generate_batch(setting.warmup_prompts, **kwargs)  # sizes the manager, captures its graphs
             _sync(device)
             t0 = time.perf_counter()
