@@ -7,8 +7,10 @@ by cascade attention.
 """
 
 from cascadeinfer.engine.config import EngineConfig
+from cascadeinfer.engine.beam import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from cascadeinfer.engine.llm import LLM, CompletionOutput, RequestOutput
 from cascadeinfer.engine.model_loader import ModelConfig, ModelLoadError
 from cascadeinfer.engine.sampling import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "ModelConfig", "ModelLoadError", "EngineConfig"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "RequestOutput",
+           "CompletionOutput", "ModelConfig", "ModelLoadError", "EngineConfig"]

@@ -12,11 +12,12 @@ import os
 import time
 import weakref
 from collections.abc import Iterator, Sequence as Seq
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
 
+from cascadeinfer.engine.beam import BeamSearchOutput, BeamSearchParams, BeamSearchSequence, BeamState
 from cascadeinfer.engine.chat import ChatTemplate, load_chat_template
 from cascadeinfer.engine.config import EngineConfig
 from cascadeinfer.engine.llama import LlamaForCausalLM, TensorParallel
@@ -40,6 +41,8 @@ class CompletionOutput:
     token_ids: list[int]
     text: str | None
     finish_reason: str | None  # None while running, else "stop" or "length"
+    cumulative_logprob: float | None = None  # beam search: the sum of the tokens' log-probabilities
+    score: float | None = None  # beam search: the length-penalised score that ranks the beams
 
 
 @dataclass(slots=True)
@@ -88,6 +91,9 @@ class _Request:
     params: SamplingParams
     seqs: list[Sequence]
     stop_ids: frozenset[int]
+    beam: BeamState | None = None  # beam search: the search's state, seqs its running beams in order
+    result: list[BeamSearchSequence] | None = None
+    beam_rows: dict[int, torch.Tensor] = field(default_factory=dict)  # this step's log-probs, by seq_id
 
 
 def _default_device() -> torch.device:
@@ -281,6 +287,72 @@ class LLM:
         self._check_request(ids, params, 0)
         return self._add(text, ids, params)
 
+    def _add_beam(self, text: str | None, ids: list[int], params: BeamSearchParams) -> int:
+        """Queue a beam-search request: one sequence until its first step forks the beams."""
+        rid = self._next_request
+        self._next_request += 1
+        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.model_config.eos_token_ids))
+        seq_params = _beam_sequence_params(params)
+        seq = Sequence(self._next_seq, rid, 0, ids, seq_params, None)
+        self._next_seq += 1
+        self._requests[rid] = _Request(rid, text, ids, seq_params, [seq], frozenset(stop),
+                                       beam=BeamState(len(ids), params, frozenset(stop)))
+        self._num_requests += 1
+        self._num_prompt_tokens += len(ids)
+        self.scheduler.add(seq)
+        return rid
+
+    def add_beam_request(self, prompt: Prompt, params: BeamSearchParams) -> int:
+        """Queue one beam-search request beside the others (see :meth:`beam_search`); its
+        final :class:`RequestOutput` from :meth:`step` lists the best sequences' generated
+        tokens, best first, with ``cumulative_logprob`` and ``score``. Returns its id."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params: expected BeamSearchParams, got {type(params).__name__}")
+        text, ids = self._prompt_ids(prompt, 0)
+        self._check_beam_request(ids, params, 0)
+        return self._add_beam(text, ids, params)
+
+    def _check_beam_request(self, ids: list[int], params: BeamSearchParams, i: int) -> None:
+        self._check_request(ids, _beam_sequence_params(params), i)
+        if len(ids) + params.max_tokens > self.config.max_model_len:
+            raise ValueError(f"prompts[{i}]: {len(ids)} prompt tokens + max_tokens {params.max_tokens} exceed "
+                             f"max_model_len={self.config.max_model_len}")
+
+    def beam_search(self, prompts, params: BeamSearchParams | Seq[BeamSearchParams]) -> list[BeamSearchOutput]:
+        """Beam search for one prompt or a list (texts or token-id lists); outputs in order.
+
+        ``params``: one :class:`~cascadeinfer.engine.beam.BeamSearchParams` for all prompts
+        or one per prompt. Each output holds the ``beam_width`` best sequences (prompt and
+        generated tokens), best first, with their cumulative log-probabilities and
+        length-penalised scores, as transformers' ``generate(num_beams=k,
+        num_return_sequences=k, do_sample=False)`` ranks them. The beams of a prompt share
+        its pages and their common generated pages (fork, copy-on-write) and run in the
+        same steps as any other requests; a pruned beam frees its pages.
+        """
+        if isinstance(prompts, (str, torch.Tensor)) or (
+                isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) and not isinstance(t, bool)
+                                                                       for t in prompts)):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError("prompts: expected a prompt or a non-empty list of prompts")
+        each = [params] * len(prompts) if isinstance(params, BeamSearchParams) else (
+            list(params) if isinstance(params, (list, tuple)) else [])
+        if len(each) != len(prompts) or not all(isinstance(p, BeamSearchParams) for p in each):
+            raise TypeError(f"params: expected a BeamSearchParams or one per prompt ({len(prompts)})")
+        checked = []
+        for i, (prompt, p) in enumerate(zip(prompts, each)):
+            text, ids = self._prompt_ids(prompt, i)
+            self._check_beam_request(ids, p, i)
+            checked.append((text, ids, p))
+        request_ids = [self._add_beam(text, ids, p) for text, ids, p in checked]
+        done: dict[int, RequestOutput] = {}
+        for i, out in self._run(request_ids, updates=False):
+            if out.finished:
+                done[i] = out
+        return [BeamSearchOutput([BeamSearchSequence(done[i].prompt_token_ids + c.token_ids, c.cumulative_logprob,
+                                                     c.score, c.text) for c in done[i].outputs])
+                for i in range(len(request_ids))]
+
     def _add(self, text: str | None, ids: list[int], params: SamplingParams) -> int:
         rid = self._next_request
         self._next_request += 1
@@ -351,14 +423,21 @@ class LLM:
             outputs = self._resolve(pending, updates)  # waits for the previous step's copy only
         self.scheduler.advance(_without_finished(batch))
         targets: list[tuple[Sequence, int]] = []
+        beam_rows: dict[int, list[tuple[Sequence, int]]] = {}
         for row, seq in enumerate(sample_seqs):
             if seq.finished:  # sampled a stop token in the previous step: this row was for nothing
+                continue
+            if self._requests[seq.request_id].beam is not None:
+                beam_rows.setdefault(seq.request_id, []).append((seq, row))
                 continue
             targets.append((seq, row))
             if seq.forks:
                 targets += [(child, row) for child in self.scheduler.fork(seq)]
+        if beam_rows:
+            outputs += self._beam_step(beam_rows, logits)
         if [r for _, r in targets] != list(range(len(sample_seqs))):
-            logits = logits.index_select(0, torch.tensor([r for _, r in targets], device=logits.device))
+            logits = logits.index_select(0, torch.tensor([r for _, r in targets], dtype=torch.long,
+                                                         device=logits.device))
         rows = [s for s, _ in targets]
         step = _Pending(targets, sample(logits, [s.params for s in rows], [s.seed for s in rows],
                                         [s.num_tokens - s.prompt_len for s in rows]))
@@ -375,6 +454,68 @@ class LLM:
         self._num_output_tokens += len(rows)
         if self.config.record_steps:
             self.step_stats.append(replace(stats, seconds=time.perf_counter() - t0))
+        return outputs
+
+    def _beam_step(self, beam_rows: dict[int, list[tuple[Sequence, int]]], logits: torch.Tensor
+                   ) -> list[RequestOutput]:
+        """Advance every beam request of the step (a host read of its rows' log-probs):
+        the beams that run on take their tokens now (forked where one beam has several
+        continuations, sharing its pages), pruned beams free their pages, and a finished
+        search ends its request. Returns the outputs of the requests that ended."""
+        rows = [r for pairs in beam_rows.values() for _, r in pairs]
+        log_probs = torch.log_softmax(logits[torch.tensor(rows, device=logits.device)].float(), dim=-1).cpu()
+        at = {r: i for i, r in enumerate(rows)}
+        ended = []
+        for rid, pairs in beam_rows.items():
+            req = self._requests[rid]
+            beams = req.seqs
+            # A step may run only some beams (its token budget, a preempted beam being
+            # recomputed): the others' rows come in later steps, and the search moves on
+            # once every beam's are in (a beam waiting for that has nothing to compute).
+            req.beam_rows.update((seq.seq_id, log_probs[at[r]]) for seq, r in pairs)
+            if any(seq.seq_id not in req.beam_rows for seq in beams):
+                for seq, _ in pairs:
+                    seq.awaiting = True
+                continue
+            lp = torch.stack([req.beam_rows.pop(seq.seq_id) for seq in beams])
+            for seq in beams:
+                seq.awaiting = False
+            if len(beams) < req.beam.k:  # the first step: the other beams are copies of the prompt's
+                lp = torch.cat([lp, lp[:1].expand(req.beam.k - len(pairs), -1)])
+            tokens = [s.tokens for s in beams] + [beams[0].tokens] * (req.beam.k - len(beams))
+            chosen = req.beam.step(lp, tokens)
+            if req.beam.done:
+                req.result = req.beam.result()
+                for seq in beams:
+                    self.scheduler.finish(seq, "stop")
+                ended.append(rid)
+                continue
+            # The beams that run on: a parent's first continuation is the parent itself, the
+            # others its forks (made before any of them takes its token).
+            taken: dict[int, int] = {}
+            children: list[tuple[Sequence, int]] = []
+            for parent_index, token, _ in chosen:
+                parent = beams[min(parent_index, len(beams) - 1)]
+                if taken.get(parent.seq_id, 0):
+                    child = Sequence(self._next_seq, rid, len(children), req.prompt_token_ids, parent.params, None)
+                    self._next_seq += 1
+                    child.tokens = list(parent.tokens)
+                    parent.forks = [child]
+                    self.scheduler.fork(parent)
+                else:
+                    child = parent
+                taken[parent.seq_id] = taken.get(parent.seq_id, 0) + 1
+                children.append((child, token))
+            for seq in beams:
+                if not taken.get(seq.seq_id):
+                    self.scheduler.finish(seq, "pruned")
+            for child, token in children:
+                child.tokens.append(token)
+            req.seqs = [child for child, _ in children]
+        outputs = []
+        for rid in ended:
+            outputs.append(self._output(self._requests[rid]))
+            del self._requests[rid]
         return outputs
 
     def _resolve(self, pending: _Pending, updates: bool) -> list[RequestOutput]:
@@ -399,6 +540,11 @@ class LLM:
         return outputs
 
     def _output(self, req: _Request) -> RequestOutput:
+        if req.beam is not None:  # ended: its hypotheses, best first
+            outs = [CompletionOutput(i, h.tokens[len(req.prompt_token_ids):],
+                                     self._decode(h.tokens[len(req.prompt_token_ids):], req.stop_ids), "stop",
+                                     h.cum_logprob, h.score) for i, h in enumerate(req.result)]
+            return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, True)
         outs = []
         for seq in req.seqs:
             ids = seq.output_token_ids
@@ -581,6 +727,12 @@ def _stop_workers(workers: Workers, runner: ModelRunner) -> None:
     if runner.graphs is not None:
         runner.graphs.release()
     workers.close()
+
+
+def _beam_sequence_params(params: BeamSearchParams) -> SamplingParams:
+    """What the scheduler and the checks read of a beam's sequence: its token budget (the
+    beam search itself decides its tokens and when it ends)."""
+    return SamplingParams(max_tokens=params.max_tokens, temperature=0.0, ignore_eos=True)
 
 
 def _without_finished(batch: ScheduledBatch) -> ScheduledBatch:

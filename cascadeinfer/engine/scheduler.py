@@ -114,14 +114,16 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         """Plan the next step. Should every running sequence be stuck (prefills waiting for
         pages that other prefills hold), the youngest is preempted until one can move: the
-        oldest alone always fits, since no request needs more pages than the pool has."""
+        oldest alone always fits, since no request needs more pages than the pool has.
+        Beams waiting for their siblings' rows (``Sequence.awaiting``) go first, youngest
+        first: they have nothing to compute and lose only their cached K/V."""
         preempted = []
         while True:
             batch = self._schedule_once()
             batch.preempted[:0] = preempted
             if batch or not self.running:
                 return batch
-            victim = self.running[-1]
+            victim = next((s for s in reversed(self.running) if s.awaiting), self.running[-1])
             self.preempt(victim)
             preempted.append(victim)
 
@@ -159,6 +161,8 @@ class Scheduler:
         for seq in list(self.waiting):
             if budget == 0 or len(self.running) >= self.max_num_seqs:
                 break
+            if seq.awaiting:  # nothing to compute until its beam search decides
+                continue
             hits, blocked = self.cache.match(seq)
             if blocked:
                 continue  # its prefix is being computed: it waits for those pages, the others need not

@@ -49,6 +49,10 @@ class Sequence:
         self.num_computed = 0
         self.pages: list[int] = []
         self.forks: list[Sequence] = []  # samples 1..n-1, created when this one first samples
+        # A beam whose next-token row is in, waiting for its siblings' (beam search decides
+        # for all beams at once): nothing to compute, so it yields its pages first and is
+        # not admitted again until the decision gives it a token.
+        self.awaiting = False
         # Prefix-cache bookkeeping (see prefix_cache.py).
         self.page_hashes: list[bytes] = []  # hash chain of the full pages of `tokens`
         self.num_registered = 0  # leading full pages already offered to the cache

@@ -1,0 +1,170 @@
+"""Beam search for one request, decided on the host as transformers decides it.
+
+The engine runs the beams as ordinary sequences: they share the prompt's pages and their
+common generated pages (the scheduler's fork, copy-on-write on the last page), a pruned
+beam frees its pages, and each decode step groups the beams into cascade levels like any
+other rows. What to keep is decided here, per step, from the beams' log-probabilities:
+the same arithmetic as transformers' ``generate(num_beams=k, do_sample=False)``
+(``_beam_search``, or its greedy search for ``k = 1``: top ``2k`` continuations of the
+running beams' cumulative
+log-probabilities, those ending in a stop token among the first ``k`` become finished
+hypotheses scored by ``sum / generated_length ** length_penalty``, the ``k`` best others
+run on; ``early_stopping`` True, False or "never" as there), in float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_NEG = -1.0e9  # transformers' "impossible" score
+
+
+@dataclass(frozen=True, slots=True)
+class BeamSearchParams:
+    """Beam search for one prompt (vLLM's and transformers' names).
+
+    Args:
+        beam_width: beams kept, and sequences returned (>= 1).
+        max_tokens: new tokens per beam at most (>= 1).
+        length_penalty: a finished beam scores ``cumulative logprob / generated_length **
+            length_penalty``.
+        early_stopping: True stops once ``beam_width`` beams finished; False when no
+            running beam can beat the worst finished one at its current length; "never"
+            at the best length a running beam could reach.
+        ignore_eos: do not stop at the model's end-of-sequence tokens.
+        stop_token_ids: further tokens that finish a beam (kept in its output).
+    """
+
+    beam_width: int
+    max_tokens: int = 16
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("beam_width", "max_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+        if not isinstance(self.length_penalty, (int, float)) or isinstance(self.length_penalty, bool):
+            raise TypeError(f"length_penalty: expected a float, got {self.length_penalty!r}")
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError(f"early_stopping: expected True, False or 'never', got {self.early_stopping!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+
+@dataclass(slots=True)
+class BeamSearchSequence:
+    """One returned beam: prompt and generated tokens (a stop token included), the sum of
+    its tokens' log-probabilities, and its length-penalised score (the ranking key)."""
+
+    tokens: list[int]
+    cum_logprob: float
+    score: float
+    text: str | None = None
+
+
+@dataclass(slots=True)
+class BeamSearchOutput:
+    """The best ``beam_width`` sequences of one prompt, best first."""
+
+    sequences: list[BeamSearchSequence]
+
+
+class BeamState:
+    """The beams of one request between steps: the running beams' scores, the finished
+    hypotheses, and transformers' stopping state."""
+
+    def __init__(self, prompt_len: int, params: BeamSearchParams, stop_ids: frozenset[int]) -> None:
+        k = params.beam_width
+        self.params = params
+        self.k = k
+        self.stop_ids = torch.tensor(sorted(stop_ids), dtype=torch.int64)
+        self.keep = max(2, 1 + len(stop_ids)) * k
+        self.prompt_len = prompt_len
+        self.cur_len = prompt_len
+        self.max_length = prompt_len + params.max_tokens
+        self.running = torch.full((k,), _NEG)
+        self.running[0] = 0.0
+        self.scores = torch.full((k,), _NEG)  # the finished hypotheses, best first
+        self.finished_tokens: list[list[int] | None] = [None] * k
+        self.finished_sums: list[float] = [0.0] * k
+        self.is_finished = torch.zeros(k, dtype=torch.bool)
+        self.improvable = True
+        self.done = False
+
+    def step(self, log_probs: torch.Tensor, tokens: list[list[int]]) -> list[tuple[int, int, float]]:
+        """One step. ``log_probs``: float32 ``[k, vocab]``, row ``i`` the next-token
+        log-probabilities of running beam ``i`` (whose tokens are ``tokens[i]``). Returns
+        the next running beams as ``(parent beam, token, cumulative logprob)``, and sets
+        :attr:`done` when the search is over."""
+        k, keep = self.k, self.keep
+        if k == 1:  # transformers searches greedily then: the best token, to a stop or the length limit
+            return self._greedy(log_probs[0].float(), tokens[0])
+        vocab = log_probs.shape[1]
+        total = (log_probs.float() + self.running[:, None]).reshape(-1)
+        top, index = torch.topk(total, k=min(keep, total.numel()))
+        beam, token = index // vocab, index % vocab
+        last = self.cur_len + 1 >= self.max_length
+        hits = torch.isin(token, self.stop_ids) | last
+        # The running beams of the next step: the best candidates that did not stop.
+        running_scores = top + hits.float() * _NEG
+        order = torch.topk(running_scores, k=k)[1]
+        nxt = [(int(beam[i]), int(token[i]), float(top[i])) for i in order]
+        # The finished hypotheses: those among the first k candidates that stopped.
+        just = hits.clone()
+        just[k:] = False
+        penalised = top / ((self.cur_len + 1 - self.prompt_len) ** self.params.length_penalty)
+        if bool(self.is_finished.all()) and self.params.early_stopping is True:
+            penalised = penalised + _NEG
+        if not self.improvable:
+            penalised = penalised + _NEG
+        penalised = penalised + (~just).float() * _NEG
+        merged = torch.cat([self.scores, penalised])
+        best = torch.topk(merged, k=k)[1].tolist()
+        new_tokens, new_sums = [], []
+        was_finished = torch.cat([self.is_finished, just])
+        for i in best:
+            if i < k:
+                new_tokens.append(self.finished_tokens[i])
+                new_sums.append(self.finished_sums[i])
+            else:
+                c = i - k
+                new_tokens.append(tokens[int(beam[c])] + [int(token[c])])
+                new_sums.append(float(top[c]))
+        self.scores = merged[best]
+        self.is_finished = was_finished[best]
+        self.finished_tokens, self.finished_sums = new_tokens, new_sums
+        self.running = running_scores[order]
+        self.cur_len += 1
+        # transformers' stopping heuristics (_check_early_stop_heuristic and its caller)
+        if self.params.early_stopping == "never" and self.params.length_penalty > 0.0:
+            length = self.max_length - self.prompt_len
+        else:
+            length = self.cur_len - self.prompt_len
+        best_running = float(self.running[0]) / (length ** self.params.length_penalty)
+        worst = float(self.scores.min()) if bool(self.is_finished.all()) else _NEG
+        self.improvable = self.improvable and best_running > worst
+        open_beam = not (bool(self.is_finished.all()) and self.params.early_stopping is True)
+        self.done = not (self.improvable and open_beam and not bool(hits.all()))
+        return nxt
+
+    def _greedy(self, log_probs: torch.Tensor, tokens: list[int]) -> list[tuple[int, int, float]]:
+        token = int(torch.argmax(log_probs))
+        total = float(self.running[0] + log_probs[token])
+        self.running[0] = total
+        self.cur_len += 1
+        if token in self.stop_ids.tolist() or self.cur_len >= self.max_length:
+            self.finished_tokens, self.finished_sums = [tokens + [token]], [total]
+            self.scores = torch.tensor([total / ((self.cur_len - self.prompt_len) ** self.params.length_penalty)])
+            self.done = True
+        return [(0, token, total)]
+
+    def result(self) -> list[BeamSearchSequence]:
+        """The finished hypotheses, best first (transformers returns the same ``k``)."""
+        return [BeamSearchSequence(list(t), s, float(score))
+                for t, s, score in zip(self.finished_tokens, self.finished_sums, self.scores.tolist())
+                if t is not None]
