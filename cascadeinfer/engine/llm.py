@@ -329,12 +329,7 @@ class LLM:
         its pages and their common generated pages (fork, copy-on-write) and run in the
         same steps as any other requests; a pruned beam frees its pages.
         """
-        if isinstance(prompts, (str, torch.Tensor)) or (
-                isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) and not isinstance(t, bool)
-                                                                       for t in prompts)):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)) or not prompts:
-            raise ValueError("prompts: expected a prompt or a non-empty list of prompts")
+        prompts = _prompt_list(prompts)
         each = [params] * len(prompts) if isinstance(params, BeamSearchParams) else (
             list(params) if isinstance(params, (list, tuple)) else [])
         if len(each) != len(prompts) or not all(isinstance(p, BeamSearchParams) for p in each):
@@ -561,12 +556,7 @@ class LLM:
 
     def _add_all(self, prompts, sampling_params) -> list[int]:
         """Validate every prompt first, then queue them all (nothing queued on an error)."""
-        if isinstance(prompts, (str, torch.Tensor)) or (
-                isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) and not isinstance(t, bool)
-                                                                       for t in prompts)):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)) or not prompts:
-            raise ValueError("prompts: expected a prompt or a non-empty list of prompts")
+        prompts = _prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
         else:
@@ -727,6 +717,17 @@ def _stop_workers(workers: Workers, runner: ModelRunner) -> None:
     if runner.graphs is not None:
         runner.graphs.release()
     workers.close()
+
+
+def _prompt_list(prompts) -> list:
+    """One prompt (a text, a tensor or a list of token ids) or a non-empty list of them, as a list."""
+    if isinstance(prompts, (str, torch.Tensor)) or (
+            isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) and not isinstance(t, bool)
+                                                                   for t in prompts)):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError("prompts: expected a prompt or a non-empty list of prompts")
+    return list(prompts)
 
 
 def _beam_sequence_params(params: BeamSearchParams) -> SamplingParams:
