@@ -476,7 +476,7 @@ class LLM:
             for seq in beams:
                 seq.awaiting = False
             if len(beams) < req.beam.k:  # the first step: the other beams are copies of the prompt's
-                lp = torch.cat([lp, lp[:1].expand(req.beam.k - len(pairs), -1)])
+                lp = torch.cat([lp, lp[:1].expand(req.beam.k - len(beams), -1)])
             tokens = [s.tokens for s in beams] + [beams[0].tokens] * (req.beam.k - len(beams))
             chosen = req.beam.step(lp, tokens)
             if req.beam.done:
