@@ -363,6 +363,27 @@ def test_step_rows_send_page_lists_once_then_their_ends():
     assert step([], [a, b]).decode[1][3] == 0
 
 
+def test_tensor_parallel_beam_search_gives_the_same_beams(tmp_path, monkeypatch):
+    """Beam search on TP=2: the beams' forks, prunes and copy-on-write copies reach the
+    worker's pool, and the beams equal TP=1's."""
+    from test_engine import SHARED, UNSHARED, _tiny  # noqa: PLC0415
+
+    from cascadeinfer.engine import LLM, BeamSearchParams  # noqa: PLC0415
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    _tiny("llama", tmp_path, eos_token_id=3)
+    kw = dict(device="cpu", dtype=torch.float32, page_size=4, num_pages=96)
+    params = BeamSearchParams(beam_width=3, max_tokens=6)
+    one = LLM(tmp_path, **kw).beam_search(SHARED + UNSHARED, params)
+    llm = LLM(tmp_path, tensor_parallel_size=2, **kw)
+    try:
+        two = llm.beam_search(SHARED + UNSHARED, params)
+        assert llm.cache.copies > 0
+    finally:
+        llm.close()
+    assert [[s.tokens for s in o.sequences] for o in two] == [[s.tokens for s in o.sequences] for o in one]
+
+
 def test_captured_steps_are_freed_before_the_workers_stop():
     """NCCL's teardown waits for every CUDA graph that captured its collectives: closing a
     tensor-parallel engine frees its captured steps first, then stops the workers."""
