@@ -126,3 +126,20 @@ def test_beam_search_on_smollm2_equals_transformers(k, smollm2_dir, torch_path):
         assert [s.tokens for s in out.sequences] == seqs
         assert [s.score for s in out.sequences] == pytest.approx(scores, abs=1e-4)
     assert llm.pool.num_free + llm.cache.num_cached == llm.pool.num_pages
+
+
+def test_bench_runs_a_beam_search_workload(tmp_path, torch_path):
+    """``cascadeinfer bench --modes beam``: the beams' throughput and, in a pool too small
+    for all beams at once, the preemptions they cost."""
+    import json  # noqa: PLC0415
+
+    from cascadeinfer.engine.cli import main  # noqa: PLC0415
+
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--preset", "tiny", "--device", "cpu", "--modes", "beam", "--beam-width", "4",
+                 "--requests", "5", "--prefix", "21", "--suffix", "3", "--new-tokens", "6", "--page-size", "4",
+                 "--num-pages", "26", "--max-num-batched-tokens", "24", "--skip-check", "--json", str(out)]) == 0
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["mode"] == "beam" and row["beam_width"] == 4 and row["output_tokens"] == 5 * 6
+    assert row["beam_tokens"] == 5 * 4 * (6 - 1) and row["beam_tokens_per_s"] > row["tokens_per_s"] > 0
+    assert row["preemptions"] > 0

@@ -68,11 +68,12 @@ from datetime import date
 
 import torch
 
+from cascadeinfer.engine.beam import BeamSearchParams
 from cascadeinfer.engine.model_loader import PRESETS, ModelConfig, ModelLoadError, parse_dtype
 from cascadeinfer.engine.sampling import SamplingParams
 
 QUICK = dict(requests=64, prefix=1024, suffix=64, new_tokens=64)
-MODES = ("cascade", "flat", "auto", "hf")
+MODES = ("cascade", "flat", "auto", "beam", "hf")
 _ENGINE_MODES = {"cascade": True, "flat": False, "auto": None}
 
 
@@ -87,7 +88,9 @@ def add_bench_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--suffix", type=int, default=128, help="unique tokens per request")
     b.add_argument("--new-tokens", type=int, default=256)
     b.add_argument("--modes", default="cascade,flat,hf",
-                   help="comma list, run in this order, of cascade, flat, auto (the engine) and hf (transformers)")
+                   help="comma list, run in this order, of cascade, flat, auto (the engine), beam (the engine's "
+                        "beam search, --beam-width beams a prompt) and hf (transformers)")
+    b.add_argument("--beam-width", type=int, default=4, help="beams per prompt in the beam mode")
     b.add_argument("--quick", action="store_true",
                    help=f"a smaller workload: {', '.join(f'{k}={v}' for k, v in QUICK.items())}")
     b.add_argument("--skip-check", action="store_true", help="skip the correctness check")
@@ -431,6 +434,33 @@ def engine_run(llm, mode: str, setting: Setting, device: torch.device) -> dict:
     return row
 
 
+def beam_run(llm, setting: Setting, width: int, device: torch.device) -> dict:
+    """The engine's beam search over the same prompts (``width`` beams each, the planner
+    choosing cascade or flat decode each step), warmed up on the other-token workload.
+    Reported: the best sequences' tokens per second, the beams' tokens (all ``width`` of
+    them, every step) per second, steps and preemptions. No floor: the floors above count
+    one decode row per request, a beam search ``width``."""
+    params = BeamSearchParams(beam_width=width, max_tokens=setting.workload.new_tokens, ignore_eos=True)
+    llm.set_use_cascade(None)
+    llm.reset_prefix_cache()
+    llm.beam_search(setting.warmup_prompts, params)
+    llm.reset_prefix_cache()
+    before = llm.stats
+    gc.collect()
+    _sync(device)
+    t0 = time.perf_counter()
+    outs = llm.beam_search(setting.prompts, params)
+    _sync(device)
+    wall = time.perf_counter() - t0
+    stats = llm.stats - before
+    best = sum(len(o.sequences[0].tokens) - len(p) for o, p in zip(outs, setting.prompts))
+    return {"engine": f"cascadeinfer beam search ({width} beams)", "mode": "beam", "requests": len(outs),
+            "beam_width": width, "output_tokens": best, "wall_s": wall, "tokens_per_s": best / wall,
+            "beam_tokens": stats.output_tokens, "beam_tokens_per_s": stats.output_tokens / wall,
+            "steps": stats.steps, "preemptions": stats.preemptions, "prefill_tokens": stats.prefill_tokens,
+            "prompt_tokens": stats.prompt_tokens}
+
+
 def _hf_batch_config(setting: Setting, llm_kwargs: dict, device: torch.device):
     """transformers' own sizing on a GPU; on a CPU (where it would size its cache from the
     host's memory) a cache just large enough for the workload."""
@@ -668,6 +698,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
             llm = None  # the engine's memory goes back before transformers loads its copy
             free_memory()
             row = hf_run(mc, dtype, device, setting, kwargs)
+        elif mode == "beam":
+            llm = llm if llm is not None else build()
+            row = beam_run(llm, setting, args.beam_width, device)
         else:
             llm = llm if llm is not None else build()
             row = engine_run(llm, mode, setting, device)
@@ -675,8 +708,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if "error" in row:
             print(f"# {row['engine']}: {row['error']}", flush=True)
             continue
-        line = (f"# {row['engine']}: {row['tokens_per_s']:.0f} output tok/s, {row['fraction_of_floor']:.2f} of "
-                f"the floor's {row['floor_tokens_per_s']:.0f}")
+        line = f"# {row['engine']}: {row['tokens_per_s']:.0f} output tok/s"
+        if "fraction_of_floor" in row:
+            line += f", {row['fraction_of_floor']:.2f} of the floor's {row['floor_tokens_per_s']:.0f}"
+        if "beam_tokens_per_s" in row:
+            line += (f" (the best beam's); all {row['beam_width']} beams {row['beam_tokens_per_s']:.0f} tok/s, "
+                     f"{row['preemptions']} preemptions")
         if "prefill_tokens" in row:
             line += f"; prompt tokens computed {row['prefill_tokens']} of {row['prompt_tokens']} submitted"
         if row.get("graphs_captured_while_timed"):

@@ -71,7 +71,7 @@ class EngineStats:
     prefill_tokens: int = 0  # prompt tokens whose K/V a step computed (again after a preemption)
     cached_prompt_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
     computed_tokens: int = 0  # every token a step computed: prefill and decode
-    output_tokens: int = 0  # tokens sampled
+    output_tokens: int = 0  # tokens sampled (a beam search's: the tokens its running beams took)
     steps: int = 0
     preemptions: int = 0
     cache_hit_pages: int = 0
@@ -507,6 +507,7 @@ class LLM:
             for child, token in children:
                 child.tokens.append(token)
             req.seqs = [child for child, _ in children]
+            self._num_output_tokens += len(children)
         outputs = []
         for rid in ended:
             outputs.append(self._output(self._requests[rid]))
