@@ -389,22 +389,30 @@ def _graphs_captured(llm) -> int:
     return graphs.num_captured if graphs is not None else 0
 
 
-def engine_run(llm, mode: str, setting: Setting, device: torch.device) -> dict:
-    """Warm up on the other-token workload, then time the real one, in ``mode``."""
-    params = SamplingParams(temperature=0.0, max_tokens=setting.workload.new_tokens, ignore_eos=True)
-    llm.set_use_cascade(_ENGINE_MODES[mode])
+def _timed(llm, run: Callable[[list[list[int]]], list], setting: Setting, device: torch.device):
+    """``run(prompts)`` warmed up on the other-token workload, then timed on the real one
+    (the prefix cache emptied before each, the step records cleared before the timed one).
+    Returns its outputs, wall seconds, the engine's counters of the timed run and the CUDA
+    graphs captured while timed."""
     llm.reset_prefix_cache()
-    llm.generate(setting.warmup_prompts, params)
+    run(setting.warmup_prompts)
     llm.reset_prefix_cache()
     llm.step_stats.clear()
     captured, before = _graphs_captured(llm), llm.stats
     gc.collect()
     _sync(device)
     t0 = time.perf_counter()
-    outs = llm.generate(setting.prompts, params)
+    outs = run(setting.prompts)
     _sync(device)
     wall = time.perf_counter() - t0
-    stats = llm.stats - before
+    return outs, wall, llm.stats - before, _graphs_captured(llm) - captured
+
+
+def engine_run(llm, mode: str, setting: Setting, device: torch.device) -> dict:
+    """Warm up on the other-token workload, then time the real one, in ``mode``."""
+    params = SamplingParams(temperature=0.0, max_tokens=setting.workload.new_tokens, ignore_eos=True)
+    llm.set_use_cascade(_ENGINE_MODES[mode])
+    outs, wall, stats, captured = _timed(llm, lambda prompts: llm.generate(prompts, params), setting, device)
     steps = llm.step_stats
     costs, ceil = setting.costs, setting.ceilings
     prefill = [s for s in steps if s.num_prefill_tokens]
@@ -414,7 +422,7 @@ def engine_run(llm, mode: str, setting: Setting, device: torch.device) -> dict:
         "prompt_tokens": stats.prompt_tokens, "prefill_tokens": stats.prefill_tokens,
         "cached_prompt_tokens": stats.cached_prompt_tokens, "preemptions": stats.preemptions, "steps": stats.steps,
         "prefill_s": sum(s.seconds for s in prefill), "prefill_floor_s": setting.prefill_floor_s,
-        "prefill_steps": len(prefill), "graphs_captured_while_timed": _graphs_captured(llm) - captured,
+        "prefill_steps": len(prefill), "graphs_captured_while_timed": captured,
     }, setting)
     row["fraction_of_prefill_floor"] = row["prefill_floor_s"] / row["prefill_s"] if row["prefill_s"] else None
     batch = min(len(outs), llm.config.max_num_seqs)
@@ -442,17 +450,7 @@ def beam_run(llm, setting: Setting, width: int, device: torch.device) -> dict:
     one decode row per request, a beam search ``width``."""
     params = BeamSearchParams(beam_width=width, max_tokens=setting.workload.new_tokens, ignore_eos=True)
     llm.set_use_cascade(None)
-    llm.reset_prefix_cache()
-    llm.beam_search(setting.warmup_prompts, params)
-    llm.reset_prefix_cache()
-    before = llm.stats
-    gc.collect()
-    _sync(device)
-    t0 = time.perf_counter()
-    outs = llm.beam_search(setting.prompts, params)
-    _sync(device)
-    wall = time.perf_counter() - t0
-    stats = llm.stats - before
+    outs, wall, stats, _ = _timed(llm, lambda prompts: llm.beam_search(prompts, params), setting, device)
     best = sum(len(o.sequences[0].tokens) - len(p) for o, p in zip(outs, setting.prompts))
     return {"engine": f"cascadeinfer beam search ({width} beams)", "mode": "beam", "requests": len(outs),
             "beam_width": width, "output_tokens": best, "wall_s": wall, "tokens_per_s": best / wall,
