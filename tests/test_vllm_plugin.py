@@ -93,3 +93,14 @@ def test_tokens_equal_vllms_own_backend(model, use_cascade, tiny_models, smollm2
     assert any(d > 1 and not prefill for d, prefill, _ in steps)  # decode-only steps
     if use_cascade:
         assert all(c is (use_cascade == "1") for d, _, c in steps if d)
+
+
+def test_the_example_passes(tiny_models):
+    """examples/vllm_shared_prompt.py as a new user runs it: both backends, PASS."""
+    example = Path(__file__).resolve().parents[1] / "examples" / "vllm_shared_prompt.py"
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    done = subprocess.run([sys.executable, str(example), str(tiny_models / "llama"), "--requests", "6", "--prefix",
+                           "90", "--new-tokens", "5"], env=env, capture_output=True, text=True, timeout=900,
+                          check=False)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert done.stdout.strip().endswith("PASS") and "tokens agree on 6 of 6 requests" in done.stdout
