@@ -13,8 +13,8 @@ batch): the time of one decode step (the slowest rank's median of CUDA-event-tim
 replays of a CUDA graph of it, the all-gather inside; eager calls beside it), its
 speedup over one GPU, the floor of one rank's share (max of bytes over the
 copy bandwidth and FLOPs over the matmul rate, both measured on each rank), the fraction
-reached, and the cross-rank merge's own time (graph replays of ``merge_states_across``). Every rank checks its output against a
-one-process cascade of the same tables first.
+reached, and the cross-rank merge's own time (graph replays of ``merge_states_across``).
+Every rank checks its output against a one-process cascade of the same tables first.
 
 Tensor parallelism of the engine is measured by ``cascadeinfer bench --tensor-parallel-size N``.
 """
@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
@@ -48,37 +46,11 @@ def tables(batch: int, prefix: int, suffix: int, device: torch.device):
     return [[x.to(device) for x in level] for level in t], pp + batch * sp
 
 
-def timed(fn, device: torch.device, reps: int, *, graph: bool = False) -> float:
-    """Median seconds of ``fn``: CUDA events around eager calls or, with ``graph``, around
-    replays of one CUDA graph of it (its collectives captured too); wall time on a CPU."""
-    for _ in range(3):
-        fn()
-    if graph and device.type == "cuda":
-        captured = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(captured):
-            fn()
-        fn = captured.replay
-        fn()
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) * 1e-3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def _rank(rank: int, world: int, init: str, cases: list, smoke: bool, results) -> None:
     from benchmarks._common import measure_copy_bandwidth, measure_matmul_rate, roofline_floor  # noqa: PLC0415
     from cascadeinfer import MultiLevelCascadeAttention  # noqa: PLC0415
     from cascadeinfer.distributed import merge_states_across  # noqa: PLC0415
+    from cascadeinfer.distributed.timing import median_seconds  # noqa: PLC0415
 
     cuda = not smoke
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
@@ -105,12 +77,12 @@ def _rank(rank: int, world: int, init: str, cases: list, smoke: bool, results) -
                 raise AssertionError(f"rank {rank}: context-parallel output off by {err} at {(batch, context)}")
             reps = 5 if smoke else 50
             out = torch.empty_like(q)
-            step = timed(lambda: attn.run(q, pool, out=out), device, reps, graph=True)
-            eager = timed(lambda: attn.run(q, pool, out=out), device, reps)
+            step = median_seconds(lambda: attn.run(q, pool, out=out), device, reps, graph=True)
+            eager = median_seconds(lambda: attn.run(q, pool, out=out), device, reps)
             state, lse = torch.randn(batch, hq, d, dtype=dtype, device=device), torch.randn(batch, hq, device=device)
             merged, merged_lse = torch.empty_like(state), torch.empty_like(lse)
-            merge = timed(lambda: merge_states_across(state, lse, out=merged, out_lse=merged_lse), device, reps,
-                          graph=True)
+            merge = median_seconds(lambda: merge_states_across(state, lse, out=merged, out_lse=merged_lse), device,
+                                   reps, graph=True)
             slowest = torch.tensor([step, eager, merge], dtype=torch.float64, device=device)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             token_bytes = 2 * hkv * d * torch.empty((), dtype=dtype).element_size()

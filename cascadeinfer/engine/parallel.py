@@ -19,15 +19,15 @@ from __future__ import annotations
 
 import datetime
 import os
-import statistics
 import tempfile
-import time
 import traceback
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from cascadeinfer.distributed.timing import median_seconds
 
 
 def _timeout() -> datetime.timedelta:
@@ -331,31 +331,13 @@ def all_reduce_seconds(shape: tuple[int, ...], dtype: torch.dtype, count: int, d
     step runs them (on a GPU replayed from one CUDA graph; the median of ``reps``), the
     slowest rank's. Every rank of ``group`` must call it (a collective)."""
     x = torch.ones(shape, dtype=dtype, device=device)
-    dist.all_reduce(x, group=group)  # the communicator exists before any capture
 
     def run() -> None:
         for _ in range(count):
             dist.all_reduce(x, group=group)
 
-    times = []
-    if device.type == "cuda":
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            run()
-        graph.replay()
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            graph.replay()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) * 1e-3)
-    else:
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            run()
-            times.append(time.perf_counter() - t0)
-    slowest = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
+    seconds = median_seconds(run, device, reps, graph=True)
+    slowest = torch.tensor([seconds], dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
     return slowest.item()
 

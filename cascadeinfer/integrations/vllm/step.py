@@ -150,13 +150,14 @@ def plan_step(
 
     slots = slot_mapping[:num_tokens].long()
     token = torch.arange(num_tokens, device=slots.device)
+    offsets = (slots % block_size).int()
     append = _Append(
         num_tokens,
         rows=torch.where(slots >= 0, token, -1).int(),
-        positions=(slots % block_size).int(),
+        positions=offsets,
         kv_indptr=torch.arange(num_tokens + 1, dtype=torch.int32, device=slots.device),
         kv_indices=(slots.clamp(min=0) // block_size).int(),
-        kv_last_page_len=(slots % block_size + 1).int(),
+        kv_last_page_len=offsets + 1,
     )
     return StepPlan(num_tokens, num_decodes, order, decode, prefill, append)
 
