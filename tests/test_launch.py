@@ -239,3 +239,86 @@ def test_cache_evicts_least_recently_used():
     cache.put("c", recs[2])
     assert cache.get("b") is None and cache.get("a") is recs[0] and cache.get("c") is recs[2]
     assert cache.get(["unhashable"]) is None
+
+
+def test_find_takes_the_guarded_path_for_a_recent_signature(monkeypatch):
+    cache = launch_mod.LaunchCache()
+    a = torch.zeros(4, 8)
+    rec = launch_mod.Recording(keep_scratch=False)
+    rec_none, key = cache.find((a,), ("x",))
+    assert rec_none is None
+    cache.put(key, rec)
+    assert cache.find((torch.ones(4, 8),), ("x",))[0] is rec  # found by key, remembered
+    monkeypatch.setattr(launch_mod, "_signature", lambda *a: (_ for _ in ()).throw(AssertionError("keyed")))
+    assert cache.find((torch.full((4, 8), 2.0),), ("x",))[0] is rec  # by the guards alone
+    # Anything the key sees misses the guarded path (and is keyed, which fails here).
+    buf = torch.zeros(64)
+    for tensors, options in [((a,), ("y",)), ((a.double(),), ("x",)), ((a.t().contiguous().t(),), ("x",)),
+                             ((torch.zeros(4, 9),), ("x",)), ((buf[1:33].view(4, 8),), ("x",)), ((a, a), ("x",))]:
+        with pytest.raises(AssertionError, match="keyed"):
+            cache.find(tensors, options)
+
+
+def test_lengthless_tensors_replay_with_any_length(device, monkeypatch):
+    """A page list's length is not part of a launcher's signature (the kernels read only
+    the entries its indptr names), so an engine whose page count changes every step keeps
+    replaying one recording."""
+    indptr, last = T([0, 3, 6, 8], device), T([1, 4, 2], device)
+    q, cache = decode_case(device, 0)
+    ci.batch_decode_paged(q, cache, indptr, T([0, 1, 2, 3, 4, 5, 6, 7], device), last, validate=False)
+    forbid(monkeypatch, decode_mod, "_batch_decode_paged")
+    for indices in (T([8, 7, 6, 5, 4, 3, 2, 1, 0, 0, 0], device), T([2, 3, 4, 5, 6, 7, 8, 1], device)):
+        for _ in range(2):  # keyed, then guarded
+            o, lse = ci.batch_decode_paged(q, cache, indptr, indices, last, validate=False)
+            assert_state(o, lse, *decode_reference(q, cache, indptr, indices, last))
+    # The length is still checked against indptr when validating.
+    with pytest.raises(ValueError, match="kv_indptr"):
+        ci.batch_decode_paged(q, cache, indptr, T([0, 1, 2], device), last)
+
+
+def test_direct_launch_packs_parameters_as_the_driver_reads_them():
+    """The C module builds without a GPU; its parameter bytes hold every non-constexpr
+    value at its natural alignment, this call's addresses patched in, and the two
+    scratch pointers last (Triton 3.6's launcher layout)."""
+    import struct
+
+    from cascadeinfer.kernels import direct_launch
+
+    types = ["*bf16", "i32", "constexpr", "fp32", "*fp32", "i64", "bf16", "i1"]
+    values = [0, 7, 64, 0.5, 4096, -(2 ** 40), 1.5, True]
+    data, offsets, patches = direct_launch.pack_params(types, values, {0: (1, 32), 4: (2, 0)})
+    offs = struct.unpack(f"<{len(offsets) // 2}H", offsets)
+    assert offs == (0, 8, 12, 16, 24, 32, 34, 40, 48)  # 7 parameters, then the two scratch pointers
+    assert patches == [(0, 1, 32), (16, 2, 0)]
+    mod = direct_launch.module()
+    assert mod is not None, "the direct-launch module must build wherever Triton's launchers do"
+    launch = mod.prepare(0, 1, 1, 1, 128, 0, False, False, data, offsets, patches)
+    raw = mod.pack(launch, (5, 1000, 2000))
+    assert struct.unpack_from("<Q", raw, 0)[0] == 1032 and struct.unpack_from("<Q", raw, 16)[0] == 2000
+    assert struct.unpack_from("<i", raw, 8)[0] == 7 and struct.unpack_from("<f", raw, 12)[0] == 0.5
+    assert struct.unpack_from("<q", raw, 24)[0] == -(2 ** 40)
+    assert raw[32:34] == bytes.fromhex("c03f") and raw[34] == 1  # bf16 1.5, i1 True
+    assert raw[40:56] == bytes(16)
+    with pytest.raises(ValueError, match="outside"):
+        mod.prepare(0, 1, 1, 1, 128, 0, False, False, data, offsets, [(len(data) - 4, 0, 0)])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_direct_launch_matches_tritons_launcher(monkeypatch, num_splits):
+    """A replay through the direct launcher computes what Triton's launcher computes,
+    bit for bit, for a decode with and without its split merge (two kernels)."""
+    device = torch.device("cuda")
+    decode_mod._LAUNCHES.clear()
+    indptr, indices, last = T([0, 3, 6, 8], device), T([0, 1, 2, 3, 4, 5, 6, 7], device), T([1, 4, 2], device)
+    q, cache = decode_case(device, 0, torch.bfloat16)
+    ci.batch_decode_paged(q, cache, indptr, indices, last, num_splits=num_splits, validate=False)
+    q2, cache2 = decode_case(device, 1, torch.bfloat16)
+    o, lse = ci.batch_decode_paged(q2, cache2, indptr, indices, last, num_splits=num_splits, validate=False)
+    rec = next(iter(decode_mod._LAUNCHES._items.values()))
+    assert rec._direct and len(rec._direct) == len(rec.launches)
+    monkeypatch.setattr(rec, "_direct", ())  # Triton's launcher
+    o_ref, lse_ref = ci.batch_decode_paged(q2, cache2, indptr, indices, last, num_splits=num_splits, validate=False)
+    torch.testing.assert_close(o, o_ref, atol=0, rtol=0)
+    torch.testing.assert_close(lse, lse_ref, atol=0, rtol=0)
+    assert_state(o, lse, *decode_reference(q2.double(), cache2.double(), indptr, indices, last), tol=2e-2)

@@ -42,7 +42,7 @@ from cascadeinfer.kernels import (
     paged_num_splits,
     pick_decode_schedule,
 )
-from cascadeinfer.kernels.launch import LaunchCache, Recording, call_key, recording
+from cascadeinfer.kernels.launch import LaunchCache, Recording, given, recording
 from cascadeinfer.layouts.page_table import PageTable
 from cascadeinfer.layouts.paged_cache import cache_tensors, check_kv_layout, check_layout_fits, unpack_paged_kv_cache
 from cascadeinfer.ops import split_cache
@@ -552,8 +552,9 @@ class MultiLevelCascadeAttention:
             return self._run_traced(q, paged_kv_cache, out, lse, return_lse, sm_scale)
         if torch.compiler.is_compiling():
             return self._run_traced(q, paged_kv_cache, out, lse, return_lse, sm_scale)
-        key = call_key(q, paged_kv_cache, out, lse, sm_scale)
-        launches = self._launches.get(key)
+        cache = cache_tensors(paged_kv_cache)
+        launches, key = self._launches.find((q, *cache, *given(out, lse)),
+                                            (len(cache), out is None, lse is None, sm_scale))
         if launches is None:
             self._check_run(q, paged_kv_cache, out, lse)
             if not use_triton(q.device):  # the PyTorch path launches nothing to replay
@@ -565,7 +566,7 @@ class MultiLevelCascadeAttention:
         if lse is None:
             # An LSE nobody reads goes to the recording's own buffer (runs are ordered).
             lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else launches.lse
-        launches.replay((q, *cache_tensors(paged_kv_cache), out, lse))
+        launches.replay((q, *cache, out, lse))
         return (out, lse) if return_lse else out
 
     def _check_run(self, q, paged_kv_cache, out, lse) -> None:

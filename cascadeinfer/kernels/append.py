@@ -28,7 +28,7 @@ from cascadeinfer._checks import (
     next_power_of_2,
     use_triton,
 )
-from cascadeinfer.kernels.launch import LaunchCache, call_key, launch, recorded
+from cascadeinfer.kernels.launch import LaunchCache, launch, recorded
 from cascadeinfer.layouts.page_table import check_pages_in_pool, get_seq_lens, validate_page_table
 from cascadeinfer.layouts.paged_cache import PagedKV, PagedKVCache, cache_tensors, unpack_paged_kv_cache
 
@@ -192,11 +192,9 @@ def append_paged_kv_cache(
     lie inside its row (``0 <= p < seq_len``) and no two tokens may target one slot.
     ``kv_last_page_len`` is read only by that check. Returns ``None``.
     """
-    key = call_key(append_key, append_value, batch_indices, positions, paged_kv_cache, kv_indices, kv_indptr,
-                   kv_last_page_len, kv_layout)
-    roots = (append_key, append_value, batch_indices, positions, *cache_tensors(paged_kv_cache),
-             kv_indices, kv_indptr, kv_last_page_len)
-    rec = _LAUNCHES.get(key)
+    cache = cache_tensors(paged_kv_cache)
+    roots = (append_key, append_value, batch_indices, positions, *cache, kv_indices, kv_indptr, kv_last_page_len)
+    rec, key = _LAUNCHES.find(roots, (len(cache), kv_layout), lengthless=(4 + len(cache),))
     if rec is not None:  # a call of this signature passed every shape check already
         if validate and not capturing():
             _check_contents(unpack_paged_kv_cache(paged_kv_cache, kv_layout), batch_indices, positions,

@@ -64,7 +64,7 @@ from cascadeinfer._checks import (
 from cascadeinfer.kernels import decode_balanced as balanced
 from cascadeinfer.kernels import merge as merge_mod
 from cascadeinfer.kernels.decode_balanced import attend_tile
-from cascadeinfer.kernels.launch import LaunchCache, call_key, launch, recorded, scratch
+from cascadeinfer.kernels.launch import LaunchCache, given, launch, recorded, scratch
 from cascadeinfer.layouts.indptr import host_array
 from cascadeinfer.layouts.page_table import check_pages_in_pool, validate_page_table
 from cascadeinfer.layouts.paged_cache import (
@@ -522,9 +522,11 @@ def batch_decode_paged(
     replay its launches directly (:mod:`cascadeinfer.kernels.launch`), with
     ``validate=False`` the hot path an engine takes.
     """
-    key = call_key(q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, out, lse,
-                   kv_layout, sm_scale, num_splits, schedule)
-    rec = _LAUNCHES.get(key)
+    cache = cache_tensors(paged_kv_cache)
+    rec, key = _LAUNCHES.find(
+        (q, *cache, kv_indptr, kv_indices, kv_last_page_len, *given(out, lse)),
+        (len(cache), out is None, lse is None, kv_layout, sm_scale, num_splits, schedule),
+        lengthless=(len(cache) + 2,))
     if rec is None:
         return _batch_decode_paged(
             q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, kv_layout=kv_layout,
@@ -538,7 +540,7 @@ def batch_decode_paged(
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     if validate and not capturing():
         _check_page_table(unpack_paged_kv_cache(paged_kv_cache, kv_layout), kv_indptr, kv_indices, kv_last_page_len)
-    rec.replay((q, *cache_tensors(paged_kv_cache), kv_indptr, kv_indices, kv_last_page_len, out, lse))
+    rec.replay((q, *cache, kv_indptr, kv_indices, kv_last_page_len, out, lse))
     return out, lse
 
 

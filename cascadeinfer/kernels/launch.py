@@ -41,6 +41,12 @@ import torch
 from triton import knobs
 
 from cascadeinfer._checks import use_triton
+from cascadeinfer.kernels import direct_launch
+
+try:  # torch's C++ tensor guards (those of torch.compile); without them every call is keyed in Python
+    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
+except ImportError:  # pragma: no cover - every supported torch has them
+    _TensorGuards = None
 
 _SCRATCH_ALIGN = 256  # bytes: every scratch slice starts on the allocator's own alignment
 
@@ -62,7 +68,7 @@ class _Launch:
     meta: dict
     roots: list[tuple[int, int, int]]  # (arg index, root index, byte offset)
     scratch: list[tuple[int, int]]  # (arg index, byte offset in the scratch buffer)
-    views: dict[int, tuple]  # arg index -> (dtype, size, stride) of the tensor it had (interpreter)
+    views: dict[int, tuple | None]  # arg index -> (dtype, size, stride) of the view it was (interpreter); None: a root, whole
     keep: list[torch.Tensor] = field(default_factory=list)
 
 
@@ -88,6 +94,8 @@ class Recording:
     _scratch: list[torch.Tensor] = field(default_factory=list)  # while recording
     _scratch_offsets: list[int] = field(default_factory=list)
     _root_spans: list[tuple[int, int, int]] = field(default_factory=list)  # (storage ptr, data ptr, index)
+    _roots: list[torch.Tensor] = field(default_factory=list)  # while recording
+    _direct: tuple | None = None  # the prepared direct launches (empty: not possible), once replayed
 
     def replay(self, roots: Sequence[torch.Tensor], stream: int | None = None) -> None:
         """Launch the recorded kernels on ``roots`` (same signature as when recorded),
@@ -108,6 +116,13 @@ class Recording:
         if stream is None:
             stream = torch._C._cuda_getCurrentRawStream(device_index)
         hooked = bool(knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls)
+        if not hooked:
+            direct = self._direct if self._direct is not None else self._prepare_direct(len(roots))
+            if direct:
+                ptrs = [t.data_ptr() for t in roots]
+                ptrs.append(base)
+                direct_launch.module().run(direct, tuple(ptrs), stream)
+                return
         for ln in self.launches:
             args = ln.args.copy()
             args[_STREAM] = stream
@@ -123,12 +138,28 @@ class Recording:
             else:
                 ln.compiled.run.launch(*args)
 
+    def _prepare_direct(self, num_roots: int) -> tuple:
+        """Every launch prepared for :mod:`~cascadeinfer.kernels.direct_launch` (the
+        scratch base is root ``num_roots``), or ``()`` if any one cannot be."""
+        prepared = []
+        for ln in self.launches:
+            patches = {i - _HEAD: (r, off) for i, r, off in ln.roots}
+            patches.update({i - _HEAD: (num_roots, off) for i, off in ln.scratch})
+            one = direct_launch.prepare(ln.compiled, ln.grid, ln.args[_HEAD:], patches)
+            if one is None:
+                prepared = []
+                break
+            prepared.append(one)
+        self._direct = tuple(prepared)
+        return self._direct
+
     def _replay_interpreted(self, roots) -> None:
         buf = torch.empty(self.scratch_bytes, dtype=torch.uint8, device=roots[0].device) if self.scratch_bytes else None
         for ln in self.launches:
             args = ln.args.copy()
             for i, r, off in ln.roots:
-                args[i] = _view(roots[r], off, *ln.views[i])
+                view = ln.views[i]
+                args[i] = roots[r] if view is None else _view(roots[r], off, *view)
             for i, off in ln.scratch:
                 args[i] = _view(buf, off, *ln.views[i])
             ln.kernel[ln.grid](*args, **ln.meta)
@@ -167,7 +198,9 @@ class Recording:
                 roots.append((i, index, off))
             else:
                 scratch.append((i, off))
-            views[i] = (a.dtype, tuple(a.shape), tuple(a.stride()))
+            # A root passed whole is passed whole again (its length may differ: lengthless keys).
+            whole = kind == "root" and off == 0 and self._is_root(a, index)
+            views[i] = None if whole else (a.dtype, tuple(a.shape), tuple(a.stride()))
             if kind == "root" or not self.keep_scratch:
                 kept[i] = None  # never keep the caller's tensors (or per-replay scratch) alive
             elif compiled is not None:
@@ -176,6 +209,10 @@ class Recording:
         if self.keep_scratch:
             scratch = []  # the scratch tensors themselves stay in the argument list
         self.launches.append(_Launch(kernel, compiled, grid, kept, meta, roots, scratch, views, keep))
+
+    def _is_root(self, t: torch.Tensor, index: int) -> bool:
+        root = self._roots[index]
+        return t.dtype == root.dtype and t.shape == root.shape and t.stride() == root.stride()
 
     def _where(self, t: torch.Tensor) -> tuple[str, int, int] | None:
         storage, ptr = t.untyped_storage().data_ptr(), t.data_ptr()
@@ -223,6 +260,7 @@ def recording(roots: Sequence[torch.Tensor], *, keep_scratch: bool = False) -> I
     rec = Recording(keep_scratch=keep_scratch)
     for index, t in enumerate(roots):
         rec._root_spans.append((t.untyped_storage().data_ptr(), t.data_ptr(), index))
+    rec._roots = list(roots)
     token = _RECORDING.set(rec)
     try:
         yield rec
@@ -231,6 +269,7 @@ def recording(roots: Sequence[torch.Tensor], *, keep_scratch: bool = False) -> I
         if not keep_scratch:
             rec._scratch.clear()  # replays allocate their own
         rec._root_spans.clear()
+        rec._roots = []
 
 
 @contextlib.contextmanager
@@ -294,13 +333,89 @@ def call_key(*args) -> Hashable:
     return tuple(key)
 
 
+def given(*tensors: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """The tensors that are not None (a call's optional outputs, for :meth:`LaunchCache.find`)."""
+    return tuple(t for t in tensors if t is not None)
+
+
+def _aligned(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether every tensor starts on a 16-byte boundary (what Triton specialises on)."""
+    bits = 0
+    for t in tensors:
+        bits |= t.data_ptr()
+    return not bits & 15
+
+
+def _signature(tensors: Sequence[torch.Tensor], options: tuple, lengthless: tuple[int, ...]) -> Hashable:
+    """:func:`call_key` of ``(*tensors, *options)``, with the tensors at ``lengthless``
+    keyed by their rank instead of their shape."""
+    key = call_key(*tensors, *options)
+    if not lengthless:
+        return key
+    key = list(key)
+    for i in lengthless:
+        dtype, shape, *rest = key[i]
+        key[i] = (dtype, len(shape), *rest)
+    return tuple(key)
+
+
+@dataclass(slots=True)
+class _Recent:
+    """A recently replayed signature, checked in C++: ``guards`` (torch's own tensor
+    guards, the ones ``torch.compile`` checks its graphs with) compare the dispatch keys,
+    dtype, device, shape and strides of every tensor; the addresses must all be 16-byte
+    aligned, as they were when it was found."""
+
+    options: tuple
+    count: int  # of tensors
+    guards: object
+    rec: Recording
+
+
 class LaunchCache:
     """Recordings of a launcher's calls, by :func:`call_key`, the ``maxsize`` most recently
-    used kept. Unhashable keys are never found (the caller records nothing then)."""
+    used kept. Unhashable keys are never found (the caller records nothing then).
 
-    def __init__(self, maxsize: int = 64) -> None:
+    :meth:`find` looks a call up in two steps: first among the last few signatures it
+    returned, compared in C++ by torch's tensor guards (about 0.1 µs per tensor), then by
+    the full :func:`call_key` (about 1 µs per tensor in Python). An engine calling a
+    launcher with one or two signatures per step pays only the first.
+    """
+
+    def __init__(self, maxsize: int = 64, recent: int = 4) -> None:
         self.maxsize = maxsize
         self._items: OrderedDict[Hashable, Recording] = OrderedDict()
+        self._recent: list[_Recent] = []
+        self._num_recent = recent if _TensorGuards is not None else 0
+
+    def find(self, tensors: Sequence[torch.Tensor], options: tuple = (), *,
+             lengthless: tuple[int, ...] = ()) -> tuple[Recording | None, Hashable]:
+        """The recording for a call whose tensor arguments are ``tensors`` (every one,
+        tuples flattened, in a fixed order) and whose other arguments are ``options``
+        (hashable; they must also tell apart calls whose tensors differ in number or
+        role, e.g. an output given or not). ``lengthless``: indices of 1-D tensors whose
+        length the launcher's host work never reads (a page list read only by the
+        kernels), so a call with another length replays the same recording.
+
+        Returns ``(recording or None, key)``: on a miss, ``key`` is what to record the
+        call under (:func:`recorded`); None while another recording is in progress.
+        """
+        if _RECORDING.get() is not None:
+            return None, None
+        for entry in self._recent:
+            if (entry.options == options and entry.count == len(tensors) and entry.guards.check(*tensors)
+                    and _aligned(tensors)):
+                return entry.rec, None
+        key = _signature(tensors, options, lengthless)
+        rec = self.get(key)
+        if rec is not None and self._num_recent and _aligned(tensors):
+            sizes = [list(t.shape) for t in tensors]
+            for i in lengthless:
+                sizes[i] = [None]
+            guards = _TensorGuards(*tensors, dynamic_dims_sizes=sizes,
+                                   dynamic_dims_strides=[list(t.stride()) for t in tensors])
+            self._recent = [_Recent(options, len(tensors), guards, rec), *self._recent[:self._num_recent - 1]]
+        return rec, key
 
     def get(self, key: Hashable) -> Recording | None:
         """The recording for ``key``; None when there is none, or while another
@@ -323,10 +438,12 @@ class LaunchCache:
         except TypeError:
             return
         if len(self._items) > self.maxsize:
-            self._items.popitem(last=False)
+            _, dropped = self._items.popitem(last=False)
+            self._recent = [e for e in self._recent if e.rec is not dropped]
 
     def clear(self) -> None:
         self._items.clear()
+        self._recent.clear()
 
     def __len__(self) -> int:
         return len(self._items)

@@ -62,7 +62,7 @@ from cascadeinfer._checks import (
     next_power_of_2,
     use_triton,
 )
-from cascadeinfer.kernels.launch import LaunchCache, call_key, launch, recorded
+from cascadeinfer.kernels.launch import LaunchCache, given, launch, recorded
 
 # Recordings of the public merges' calls, by signature (see cascadeinfer.kernels.launch).
 _MERGE_STATE, _MERGE_IN_PLACE, _MERGE_STATES, _MERGE_RAGGED = (LaunchCache() for _ in range(4))
@@ -527,8 +527,7 @@ def merge_state(
         the union. Two empties give ``(0, -inf)``. An LSE of ``+inf`` or NaN gives
         ``(NaN, NaN)`` in that (row, head) only (see the module docstring).
     """
-    key = call_key(v_a, s_a, v_b, s_b, out, out_lse)
-    rec = _MERGE_STATE.get(key)
+    rec, key = _MERGE_STATE.find((v_a, s_a, v_b, s_b, *given(out, out_lse)), (out is None, out_lse is None))
     if rec is None:
         _check_states(("v_a", "s_a"), v_a, s_a, 3)
         _check_states(("v_b", "s_b"), v_b, s_b, 3, shape=v_a.shape, dtype=v_a.dtype, device=v_a.device)
@@ -567,8 +566,7 @@ def merge_state_in_place(
 
     LSE conventions as in :func:`merge_state`.
     """
-    key = call_key(v, s, v_other, s_other, mask)
-    rec = _MERGE_IN_PLACE.get(key)
+    rec, key = _MERGE_IN_PLACE.find((v, s, v_other, s_other, *given(mask)), (mask is None,))
     if rec is None:
         _check_states(("v", "s"), v, s, 3)
         n, num_heads, head_dim = v.shape
@@ -626,8 +624,7 @@ def merge_states(
         whose states are all empty (or ``num_states == 0``) gives ``(0, -inf)``; an LSE of
         ``+inf`` or NaN gives ``(NaN, NaN)`` in that (row, head) only.
     """
-    key = call_key(v, s, out, out_lse)
-    rec = _MERGE_STATES.get(key)
+    rec, key = _MERGE_STATES.find((v, s, *given(out, out_lse)), (out is None, out_lse is None))
     if rec is None:
         _check_states(("v", "s"), v, s, 4)
     shape = (v.shape[0], *v.shape[2:])
@@ -677,8 +674,7 @@ def merge_states_ragged(
         ``(v [n, H, D], s [n, H])``, LSE float32 natural log; a row with no states gives
         ``(0, -inf)``; an LSE of ``+inf`` or NaN gives ``(NaN, NaN)`` in that (row, head).
     """
-    key = call_key(v, s, indptr, out, out_lse)
-    rec = _MERGE_RAGGED.get(key)
+    rec, key = _MERGE_RAGGED.find((v, s, indptr, *given(out, out_lse)), (out is None, out_lse is None))
     if rec is None:
         _check_states(("v", "s"), v, s, 3)
         check_int32_vector("indptr", indptr, v.device)

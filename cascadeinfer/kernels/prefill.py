@@ -77,7 +77,7 @@ from cascadeinfer._checks import (
     same_device,
     use_triton,
 )
-from cascadeinfer.kernels.launch import LaunchCache, call_key, launch, recorded, scratch
+from cascadeinfer.kernels.launch import LaunchCache, given, launch, recorded, scratch
 from cascadeinfer.kernels.merge import finish_state, merge_states
 from cascadeinfer.kernels.reference import attention_state_ref
 from cascadeinfer.layouts.indptr import validate_indptr
@@ -918,15 +918,17 @@ def batch_prefill_paged(
     ``num_qo_heads`` must be a multiple of ``num_kv_heads``. No host reads on the launch
     path (with ``validate=False``), so the call can be captured in a CUDA graph.
     """
-    key = call_key(q, qo_indptr, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, out, lse,
-                   causal, kv_layout, sm_scale, num_splits)
-    rec = _PAGED.get(key)
+    cache = cache_tensors(paged_kv_cache)
+    rec, key = _PAGED.find(
+        (q, qo_indptr, *cache, kv_indptr, kv_indices, kv_last_page_len, *given(out, lse)),
+        (len(cache), out is None, lse is None, causal, kv_layout, sm_scale, num_splits),
+        lengthless=(len(cache) + 3,))
     if rec is not None:  # a call of this signature passed every shape check already
         out, lse = _outputs(q, out, lse, checked=True)
         if validate and not capturing():
             _check_paged_contents(q, qo_indptr, unpack_paged_kv_cache(paged_kv_cache, kv_layout), kv_indptr,
                                   kv_indices, kv_last_page_len)
-        rec.replay((q, qo_indptr, *cache_tensors(paged_kv_cache), kv_indptr, kv_indices, kv_last_page_len, out, lse))
+        rec.replay((q, qo_indptr, *cache, kv_indptr, kv_indices, kv_last_page_len, out, lse))
         return out, lse
     _check_q(q)
     _check_flag("causal", causal)
@@ -1008,8 +1010,8 @@ def batch_prefill_ragged(
         ``(o, lse)``: ``o`` like ``q``; ``lse`` float32 ``[nnz_qo, num_qo_heads]``, natural
         log; ``(0, -inf)`` for a query that sees no key.
     """
-    key = call_key(q, qo_indptr, k, v, kv_indptr, out, lse, causal, sm_scale)
-    rec = _RAGGED.get(key)
+    rec, key = _RAGGED.find((q, qo_indptr, k, v, kv_indptr, *given(out, lse)),
+                            (out is None, lse is None, causal, sm_scale))
     if rec is None:
         _check_q(q)
         _check_flag("causal", causal)
@@ -1057,8 +1059,7 @@ def shared_prefix_attention(
 
     Reads no index tensor at all: the KV split count and the grid come from the shapes.
     """
-    key = call_key(q, k, v, out, lse, sm_scale)
-    rec = _SHARED.get(key)
+    rec, key = _SHARED.find((q, k, v, *given(out, lse)), (out is None, lse is None, sm_scale))
     if rec is not None:
         out, lse = _outputs(q, out, lse, checked=True)
         rec.replay((q, k, v, out, lse))
