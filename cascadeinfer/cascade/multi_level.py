@@ -562,7 +562,7 @@ class MultiLevelCascadeAttention:
             launches = self._record(q, paged_kv_cache, sm_scale)
             self._launches.put(key, launches)
         if out is None:
-            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            out = torch.empty_like(q, memory_format=torch.contiguous_format)
         if lse is None:
             # An LSE nobody reads goes to the recording's own buffer (runs are ordered).
             lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else launches.lse

@@ -535,7 +535,7 @@ def batch_decode_paged(
         )
     # The recorded call had this signature, so every shape, dtype and device check passed.
     if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if lse is None:
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     if validate and not capturing():

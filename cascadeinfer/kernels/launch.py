@@ -109,17 +109,30 @@ class Recording:
             self._replay_interpreted(roots)
 
     def _replay_cuda(self, roots, device_index: int, stream: int | None) -> None:
-        ptrs = [t.data_ptr() for t in roots]
-        base = 0
-        if self.scratch_bytes:
-            base = torch.empty(self.scratch_bytes, dtype=torch.uint8, device=roots[0].device).data_ptr()
         if stream is None:
             stream = torch._C._cuda_getCurrentRawStream(device_index)
+        if not self.scratch_bytes:
+            self._launch_cuda(roots, stream, 0)
+            return
+        if device_index != torch._C._cuda_getDevice():  # the raw allocator serves the current device
+            scratch = torch.empty(self.scratch_bytes, dtype=torch.uint8, device=roots[0].device)
+            self._launch_cuda(roots, stream, scratch.data_ptr())
+            return
+        # The scratch is taken from PyTorch's caching allocator on this stream and given
+        # back once the kernels are enqueued, as a temporary tensor would be (stream-ordered
+        # reuse; inside a graph capture, from the graph's pool), without a tensor object.
+        base = _raw_alloc(self.scratch_bytes, stream)
+        try:
+            self._launch_cuda(roots, stream, base)
+        finally:
+            _raw_free(base)
+
+    def _launch_cuda(self, roots, stream: int, base: int) -> None:
+        ptrs = [t.data_ptr() for t in roots]
         hooked = bool(knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls)
         if not hooked:
             direct = self._direct if self._direct is not None else self._prepare_direct(len(roots))
             if direct:
-                ptrs = [t.data_ptr() for t in roots]
                 ptrs.append(base)
                 direct_launch.module().run(direct, tuple(ptrs), stream)
                 return
@@ -231,6 +244,14 @@ class Recording:
             if storage == s.untyped_storage().data_ptr():
                 return "scratch", index, self._scratch_offsets[index] + t.data_ptr() - s.data_ptr()
         return None
+
+
+def _raw_alloc(nbytes: int, stream: int) -> int:
+    return torch._C._cuda_cudaCachingAllocator_raw_alloc(nbytes, stream)
+
+
+def _raw_free(ptr: int) -> None:
+    torch._C._cuda_cudaCachingAllocator_raw_delete(ptr)
 
 
 def _grid3(grid: Sequence[int]) -> tuple[int, int, int]:

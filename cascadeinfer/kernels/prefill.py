@@ -834,7 +834,7 @@ def _outputs(q: torch.Tensor, out: torch.Tensor | None, lse: torch.Tensor | None
     signature passed them), or fresh ones: o like q, lse float32 [nnz_qo, Hq]."""
     nnz_qo, num_qo_heads, _ = q.shape
     if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
     elif not checked:
         check_tensor("out", out, ndim=3, dtypes=(q.dtype,), device=q.device, shape=tuple(q.shape))
         check_last_dim_contiguous("out", out)
