@@ -483,12 +483,10 @@ def test_tensor_parallel_engine_under_torchrun(tmp_path):
                            str(tmp_path / "model"), str(out), json.dumps(prompts)],
                           capture_output=True, text=True, env=env, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
-    os.environ["TRITON_INTERPRET"], old = "0", os.environ.get("TRITON_INTERPRET")
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "0")
         one = LLM(tmp_path / "model", device="cpu", dtype=torch.float32, page_size=4, num_pages=96).generate(
             prompts, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
-    finally:
-        os.environ["TRITON_INTERPRET"] = old
     assert json.loads(out.read_text()) == [o.outputs[0].token_ids for o in one]
 
 
