@@ -117,3 +117,14 @@ def test_step_rejects_what_does_not_add_up(device):
                   device=device)
     with pytest.raises(ValueError, match="kv_cache"):
         kv_views(torch.zeros(2, 1, 4, 33))
+
+
+@pytest.mark.parametrize("where", ["numpy", "cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_block_table_read_is_the_steps_rows_and_columns(where):
+    from cascadeinfer.integrations.vllm.step import _host_table  # noqa: PLC0415
+
+    full = torch.randint(0, 100, (5, 9), dtype=torch.int32)
+    table = full.numpy() if where == "numpy" else full.to(where)
+    got = _host_table(table, 3, 4)
+    assert isinstance(got, np.ndarray) and got.shape == (3, 4)
+    assert (got == full[:3, :4].numpy()).all()

@@ -89,6 +89,23 @@ def _i32(values, device: torch.device) -> torch.Tensor:
     return torch.as_tensor(np.asarray(values, dtype=np.int32)).to(device, non_blocking=True)
 
 
+def _host_table(block_table: torch.Tensor | np.ndarray, rows: int, cols: int) -> np.ndarray:
+    """The first ``rows`` rows and ``cols`` columns of the block table, on the host. From a
+    GPU: one copy of just that block into pinned memory (vLLM's table is as wide as the
+    longest model length allows; a step needs the columns of its longest request), then a
+    wait for it. On an H100 machine a 256 x 512 int32 table takes 57 µs by ``.cpu()`` and
+    18 µs this way (benchmarks/RESULTS.md, "vLLM backend")."""
+    if not isinstance(block_table, torch.Tensor):
+        return np.asarray(block_table)[:rows, :cols]
+    part = block_table[:rows, :cols]
+    if not part.is_cuda:
+        return part.numpy()
+    host = torch.empty(part.shape, dtype=part.dtype, pin_memory=True)
+    host.copy_(part, non_blocking=True)
+    torch.cuda.current_stream(part.device).synchronize()
+    return host.numpy()
+
+
 def plan_step(
     block_table: torch.Tensor | np.ndarray,
     seq_lens: torch.Tensor | np.ndarray,
@@ -114,10 +131,10 @@ def plan_step(
     qsl = np.asarray(query_start_loc.cpu() if isinstance(query_start_loc, torch.Tensor) else query_start_loc,
                      dtype=np.int64)
     lens = np.asarray(seq_lens.cpu() if isinstance(seq_lens, torch.Tensor) else seq_lens, dtype=np.int64)
-    table = block_table.cpu().numpy() if isinstance(block_table, torch.Tensor) else np.asarray(block_table)
     num_reqs = qsl.size - 1
-    if lens.size < num_reqs or table.shape[0] < num_reqs:
-        raise ValueError(f"seq_lens/block_table: {lens.size}/{table.shape[0]} rows for {num_reqs} requests")
+    if lens.size < num_reqs or block_table.shape[0] < num_reqs:
+        raise ValueError(f"seq_lens/block_table: {lens.size}/{block_table.shape[0]} rows for {num_reqs} requests")
+    table = _host_table(block_table, num_reqs, -(-int(lens[:num_reqs].max(initial=0)) // block_size))
     qlens = np.diff(qsl)
     if qsl[-1] != num_tokens:
         raise ValueError(f"query_start_loc: ends at {qsl[-1]}, but the step has {num_tokens} tokens")
