@@ -102,9 +102,9 @@ class Recording:
         on ``stream`` (a raw CUDA stream handle; default: the current stream)."""
         if not self.launches:
             return
-        first = roots[0]
-        if first.is_cuda:
-            self._replay_cuda(roots, first.get_device(), stream)
+        device_index = roots[0].get_device()  # -1: a CPU tensor (the interpreter)
+        if device_index >= 0:
+            self._replay_cuda(roots, device_index, stream)
         else:
             self._replay_interpreted(roots)
 
@@ -354,9 +354,12 @@ def call_key(*args) -> Hashable:
     return tuple(key)
 
 
-def given(*tensors: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-    """The tensors that are not None (a call's optional outputs, for :meth:`LaunchCache.find`)."""
-    return tuple(t for t in tensors if t is not None)
+def given(a: torch.Tensor | None, b: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """Those of a call's (at most two) optional tensors that are not None, for
+    :meth:`LaunchCache.find` (written out: this runs on every call)."""
+    if a is None:
+        return () if b is None else (b,)
+    return (a,) if b is None else (a, b)
 
 
 def _aligned(tensors: Sequence[torch.Tensor]) -> bool:
