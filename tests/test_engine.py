@@ -104,6 +104,7 @@ def _check(llm, model, prompts, max_new, device, params=None):
 
 def _assert_no_leak(llm):
     assert not llm.has_unfinished()
+    assert llm.swap is None or llm.swap.num_held == 0
     assert llm.pool.num_free + llm.cache.num_cached == llm.pool.num_pages
     assert all(llm.pool.refcount(p) == 1 for p in range(llm.pool.num_pages) if llm.pool.refcount(p))
 
@@ -186,7 +187,7 @@ def test_preemption_gives_the_same_outputs(qwen2, device, torch_path):
     path, model = qwen2
     prompts = SHARED + UNSHARED
     # 12 pages of 4 tokens: 5 sequences of up to 36 tokens cannot all run at once.
-    llm = _llm(path, device, num_pages=12, use_cascade=True)
+    llm = _llm(path, device, num_pages=12, use_cascade=True, preemption_mode="recompute")
     outs = _check(llm, model, prompts, 12, device)
     assert llm.num_preemptions > 0
     stats = llm.stats  # a preempted prompt is computed (or found in the cache) again

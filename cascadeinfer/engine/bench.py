@@ -18,7 +18,10 @@ What runs, in order:
    timed calls (CUDA-graph replays on a GPU).
 3. **Runs**, one per ``--modes`` entry, in the order given: ``cascade`` (the engine, decode
    attention forced to the cascade), ``flat`` (forced flat paged decode), ``auto`` (the
-   planner chooses each step) and ``hf`` (transformers' own continuous batching,
+   planner chooses each step), ``beam`` (beam search, ``--beam-width`` beams), ``swap``
+   and ``recompute`` (memory pressure: the engine with a KV pool of ``--pressure``
+   times the pages the workload needs, its preempted sequences swapped to host memory or
+   recomputed) and ``hf`` (transformers' own continuous batching,
    ``generate_batch`` with its paged attention, over the same requests). Each mode first
    runs, untimed, a workload of the same shapes with other tokens: every kernel is
    compiled and every CUDA-graph bucket the timed run uses is captured (the timed run is
@@ -73,7 +76,7 @@ from cascadeinfer.engine.model_loader import PRESETS, ModelConfig, ModelLoadErro
 from cascadeinfer.engine.sampling import SamplingParams
 
 QUICK = dict(requests=64, prefix=1024, suffix=64, new_tokens=64)
-MODES = ("cascade", "flat", "auto", "beam", "hf")
+MODES = ("cascade", "flat", "auto", "beam", "swap", "recompute", "hf")
 _ENGINE_MODES = {"cascade": True, "flat": False, "auto": None}
 
 
@@ -91,6 +94,8 @@ def add_bench_args(b: argparse.ArgumentParser) -> None:
                    help="comma list, run in this order, of cascade, flat, auto (the engine), beam (the engine's "
                         "beam search, --beam-width beams a prompt) and hf (transformers)")
     b.add_argument("--beam-width", type=int, default=4, help="beams per prompt in the beam mode")
+    b.add_argument("--pressure", type=float, default=0.5,
+                   help="the swap and recompute modes' KV pool, as a fraction of the pages the workload needs")
     b.add_argument("--quick", action="store_true",
                    help=f"a smaller workload: {', '.join(f'{k}={v}' for k, v in QUICK.items())}")
     b.add_argument("--skip-check", action="store_true", help="skip the correctness check")
@@ -459,6 +464,36 @@ def beam_run(llm, setting: Setting, width: int, device: torch.device) -> dict:
             "prompt_tokens": stats.prompt_tokens}
 
 
+def pages_needed(workload: Workload, page_size: int) -> int:
+    """KV pages of the whole workload at once: the shared prompt's full pages once, then
+    each request's own (its part of the prompt's last page, its suffix, its new tokens)."""
+    w = workload
+    shared = w.prefix // page_size
+    own = -(-(w.prefix + w.suffix + w.new_tokens) // page_size) - shared
+    return shared + w.requests * own
+
+
+def pressure_run(llm, mode: str, setting: Setting, device: torch.device) -> dict:
+    """The engine on a KV pool too small for the batch (built by the caller), its
+    preemptions swapped (``mode`` "swap") or recomputed ("recompute"), warmed up on the
+    other-token workload. Reported: output tokens per second, the preemptions and how they
+    were served, the bytes swapped each way and the time of those copies, the tokens
+    computed (a recomputed sequence's again) against the tokens a roomy pool computes."""
+    params = SamplingParams(temperature=0.0, max_tokens=setting.workload.new_tokens, ignore_eos=True)
+    llm.set_use_cascade(None)
+    outs, wall, stats, _ = _timed(llm, lambda prompts: llm.generate(prompts, params), setting, device)
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    w = setting.workload
+    once = w.prefix + w.requests * (w.suffix + w.new_tokens - 1)  # the shared prompt once, the rest per request
+    return {"engine": f"cascadeinfer {mode} preemption ({llm.pool.num_pages} KV pages)", "mode": mode,
+            "requests": len(outs), "output_tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+            "kv_pages": llm.pool.num_pages, "preemptions": stats.preemptions,
+            "swapped_preemptions": stats.swapped_preemptions, "swap_fallbacks": stats.swap_fallbacks,
+            "swapped_out_gb": stats.swapped_out_bytes / 1e9, "swapped_in_gb": stats.swapped_in_bytes / 1e9,
+            "swap_s": stats.swap_seconds, "computed_tokens": stats.computed_tokens, "computed_tokens_once": once,
+            "prefill_tokens": stats.prefill_tokens, "prompt_tokens": stats.prompt_tokens, "steps": stats.steps}
+
+
 def _hf_batch_config(setting: Setting, llm_kwargs: dict, device: torch.device):
     """transformers' own sizing on a GPU; on a CPU (where it would size its cache from the
     host's memory) a cache just large enough for the workload."""
@@ -554,10 +589,19 @@ def _fmt(x) -> str:
     return str(x)
 
 
-def table(rows: list[dict]) -> str:
-    lines = ["| " + " | ".join(c for _, c in _COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
+# The memory-pressure runs' own table (swap and recompute modes).
+_PRESSURE_COLUMNS = [("engine", "engine"), ("tokens_per_s", "output tok/s"), ("wall_s", "wall s"),
+                     ("preemptions", "preemptions"), ("swapped_preemptions", "swapped"),
+                     ("swap_fallbacks", "fallbacks"), ("swapped_out_gb", "GB out"), ("swapped_in_gb", "GB in"),
+                     ("swap_s", "copy s"), ("computed_tokens", "tokens computed"),
+                     ("computed_tokens_once", "without preemption")]
+
+
+def table(rows: list[dict], columns: list[tuple[str, str]] | None = None) -> str:
+    columns = columns or _COLUMNS
+    lines = ["| " + " | ".join(c for _, c in columns) + " |", "|" + "---|" * len(columns)]
     for r in rows:
-        cells = [_fmt(r.get(k)) for k, _ in _COLUMNS]
+        cells = [_fmt(r.get(k)) for k, _ in columns]
         if "error" in r:
             cells[1] = r["error"]
         lines.append("| " + " | ".join(cells) + " |")
@@ -635,6 +679,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise SystemExit("--num-layers: a positive count, with a preset (not --model)")
         mc = replace(mc, num_layers=args.num_layers)
     tp = kwargs["tensor_parallel_size"]
+    if "swap" in modes and tp > 1:
+        raise SystemExit("--modes swap: needs --tensor-parallel-size 1 (the workers' pools are not swapped)")
     need, free = memory_needed(mc, workload, elem, tp), memory_available(device)
     if need > free and not args.force:
         raise SystemExit(f"{'--model' if args.model else '--preset'} {name}: its weights and this workload's KV cache "
@@ -675,11 +721,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
           f"{_fmt(floors['decode_step_first_ms'])}..{_fmt(floors['decode_step_last_ms'])} ms, end to end "
           f"{setting.end_to_end_floor_s:.3g} s ({floors['end_to_end_tokens_per_s']:.0f} output tok/s)", flush=True)
 
-    def build() -> LLM:
+    def build(**changes) -> LLM:
+        kw = {**kwargs, **changes}
         if args.model:
-            llm = LLM(args.model, device=device, dtype=dtype, tokenizer=False, record_steps=True, **kwargs)
+            llm = LLM(args.model, device=device, dtype=dtype, tokenizer=False, record_steps=True, **kw)
         else:
-            llm = LLM.from_config(mc, device=device, dtype=dtype, seed=args.seed, record_steps=True, **kwargs)
+            llm = LLM.from_config(mc, device=device, dtype=dtype, seed=args.seed, record_steps=True, **kw)
         print(f"# engine: {llm.pool.num_pages} KV pages of {llm.config.page_size} tokens, "
               f"{llm.model.weight_bytes() / 1e9:.2f} GB of weights", flush=True)
         return llm
@@ -699,6 +746,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
         elif mode == "beam":
             llm = llm if llm is not None else build()
             row = beam_run(llm, setting, args.beam_width, device)
+        elif mode in ("swap", "recompute"):
+            llm = None  # an engine of its own, with a small pool (the next engine mode builds the usual one)
+            free_memory()
+            pages = max(int(args.pressure * pages_needed(workload, kwargs["page_size"])),
+                        -(-kwargs["max_model_len"] // kwargs["page_size"]) + 1)
+            small = build(num_pages=pages, preemption_mode=mode)
+            row = pressure_run(small, mode, setting, device)
+            small.close()
+            del small
+            free_memory()
         else:
             llm = llm if llm is not None else build()
             row = engine_run(llm, mode, setting, device)
@@ -709,6 +766,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         line = f"# {row['engine']}: {row['tokens_per_s']:.0f} output tok/s"
         if "fraction_of_floor" in row:
             line += f", {row['fraction_of_floor']:.2f} of the floor's {row['floor_tokens_per_s']:.0f}"
+        if "swapped_preemptions" in row:
+            line += (f"; {row['preemptions']} preemptions ({row['swapped_preemptions']} swapped, "
+                     f"{row['swap_fallbacks']} fallbacks), {row['swapped_out_gb']:.3f} GB out and "
+                     f"{row['swapped_in_gb']:.3f} GB in in {row['swap_s'] * 1e3:.1f} ms, "
+                     f"{row['computed_tokens']} tokens computed ({row['computed_tokens_once']} without preemption)")
         if "beam_tokens_per_s" in row:
             line += (f" (the best beam's); all {row['beam_width']} beams {row['beam_tokens_per_s']:.0f} tok/s, "
                      f"{row['preemptions']} preemptions")
@@ -720,6 +782,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     print()
     print(table(rows), flush=True)
+    pressure = [r for r in rows if "swapped_preemptions" in r]
+    if pressure:
+        print("\n" + table(pressure, _PRESSURE_COLUMNS), flush=True)
     rel = ratios(rows)
     if rel:
         print("\n" + "; ".join(f"{k}: {v:.2f}x" for k, v in rel.items()))

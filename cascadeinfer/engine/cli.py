@@ -42,6 +42,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="processes (one GPU each) to split the model's heads and MLP over")
+    g.add_argument("--preemption-mode", choices=("auto", "swap", "recompute"), default="auto",
+                   help="a sequence preempted for lack of KV pages: swapped to host memory, recomputed, or "
+                        "whichever is estimated cheaper")
+    g.add_argument("--swap-space", type=float, default=4.0, help="GiB of host memory for swapped pages")
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
@@ -51,7 +55,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
         use_cascade={"auto": None, "on": True, "off": False}[args.cascade], enforce_eager=args.enforce_eager,
-        tensor_parallel_size=args.tensor_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size, preemption_mode=args.preemption_mode,
+        swap_space=args.swap_space,
     )
 
 

@@ -46,6 +46,13 @@ class EngineConfig:
         seed: engine seed; requests without a seed derive theirs from it.
         check_metadata: let every kernel validate its index tensors (host syncs; tests).
         record_steps: keep per-step statistics (``LLM.step_stats``) for benchmarks.
+        preemption_mode: what happens to a sequence preempted for lack of pages:
+            "recompute" (its K/V computed again on re-admission), "swap" (its pages copied
+            to host memory and back), or "auto": swap where the copies are estimated
+            cheaper than the recompute (:class:`~cascadeinfer.engine.swap.SwapPolicy`).
+            With ``tensor_parallel_size > 1`` only "recompute" ("auto" recomputes).
+        swap_space: GiB of (pinned, on a GPU) host memory for swapped pages, allocated on
+            the first swap; when it is full a victim is recomputed instead.
         tensor_parallel_size: processes (one device each) the model's heads and MLP are
             split over (:mod:`cascadeinfer.engine.parallel`); 1 runs in this process alone.
     """
@@ -69,6 +76,8 @@ class EngineConfig:
     check_metadata: bool = False
     record_steps: bool = False
     tensor_parallel_size: int = 1
+    preemption_mode: str = "auto"
+    swap_space: float = 4.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, torch.device):
@@ -89,6 +98,13 @@ class EngineConfig:
         if self.use_cascade not in (None, True, False):
             raise TypeError(f"use_cascade: expected None, True or False, got {self.use_cascade!r}")
         check_kv_layout(self.kv_layout)
+        if self.preemption_mode not in ("auto", "swap", "recompute"):
+            raise ValueError(f"preemption_mode: expected 'auto', 'swap' or 'recompute', got {self.preemption_mode!r}")
+        if self.preemption_mode == "swap" and self.tensor_parallel_size > 1:
+            raise ValueError("preemption_mode: 'swap' needs tensor_parallel_size 1 (the workers' pools are not "
+                             "swapped); use 'recompute' or 'auto'")
+        if isinstance(self.swap_space, bool) or not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
+            raise ValueError(f"swap_space: expected a non-negative number of GiB, got {self.swap_space!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed: expected a non-negative int, got {self.seed!r}")
 

@@ -28,6 +28,7 @@ from cascadeinfer.engine.prefix_cache import PrefixCache
 from cascadeinfer.engine.sampling import SamplingParams, sample, sample_seed
 from cascadeinfer.engine.scheduler import ScheduledBatch, Scheduler
 from cascadeinfer.engine.sequence import Sequence
+from cascadeinfer.engine.swap import SwapPolicy, SwapSpace
 from cascadeinfer.layouts.pool import PagedKVPool
 
 Prompt = str | Seq[int]
@@ -74,6 +75,11 @@ class EngineStats:
     output_tokens: int = 0  # tokens sampled (a beam search's: the tokens its running beams took)
     steps: int = 0
     preemptions: int = 0
+    swapped_preemptions: int = 0  # preemptions that swapped the pages out (the others recompute)
+    swap_fallbacks: int = 0  # swaps the policy chose that the full swap space turned into recomputes
+    swapped_out_bytes: int = 0  # host copies made (a page shared by several sequences once)
+    swapped_in_bytes: int = 0
+    swap_seconds: float = 0.0  # time of those copies (GPU time on a GPU)
     cache_hit_pages: int = 0
     copied_pages: int = 0  # shared pages copied before a write (n > 1 samples)
 
@@ -193,8 +199,14 @@ class LLM:
         if self._workers is not None:
             self.pool.copy_log = []
         self.cache = PrefixCache(self.pool, enabled=cfg.enable_prefix_caching)
+        self.swap, policy = None, None
+        if cfg.preemption_mode != "recompute" and cfg.tensor_parallel_size == 1:
+            self.swap = SwapSpace(self.cache, int(cfg.swap_space * 2**30))
+            policy = SwapPolicy(cfg.preemption_mode, page_bytes=self.swap.page_bytes,
+                                flops_per_token=2 * self.model.weight_bytes() / self.pool.cache.element_size(),
+                                device=cfg.device, dtype=cfg.dtype)
         self.scheduler = Scheduler(self.cache, max_num_seqs=cfg.max_num_seqs,
-                                   max_num_batched_tokens=cfg.max_num_batched_tokens)
+                                   max_num_batched_tokens=cfg.max_num_batched_tokens, swap=self.swap, policy=policy)
         self.runner = ModelRunner(self.model, self.pool, cfg)
         if self._workers is not None:
             weakref.finalize(self, _stop_workers, self._workers, self.runner)
@@ -408,6 +420,8 @@ class LLM:
             outputs = self._resolve(pending, updates)
             pending = None
             batch = _without_finished(batch) if batch else None
+        if self.swap is not None:
+            self.swap.flush()  # the step's swap copies, before its kernels reuse the pages
         if not batch:  # nothing left to run, or every scheduled sequence just stopped
             return outputs
         if self._workers is not None:
@@ -444,7 +458,7 @@ class LLM:
             # A length limit needs no token value: finish now, so the next step has no row for it.
             if seq.num_tokens - seq.prompt_len >= seq.params.max_tokens or seq.num_tokens >= self.config.max_model_len:
                 self.scheduler.finish(seq, "length")
-        self._pending = step
+        self._pending = step if rows else None  # a step of beams only: nothing left to read
         self._num_steps += 1
         self._num_output_tokens += len(rows)
         if self.config.record_steps:
@@ -679,7 +693,12 @@ class LLM:
             requests=self._num_requests, prompt_tokens=self._num_prompt_tokens,
             prefill_tokens=sched.num_computed_prompt_tokens, cached_prompt_tokens=sched.num_cached_prompt_tokens,
             computed_tokens=sched.num_computed_tokens, output_tokens=self._num_output_tokens, steps=self._num_steps,
-            preemptions=sched.num_preemptions, cache_hit_pages=self.cache.hits, copied_pages=self.cache.copies)
+            preemptions=sched.num_preemptions, swapped_preemptions=sched.num_swapped_out,
+            swap_fallbacks=sched.num_swap_fallbacks,
+            swapped_out_bytes=self.swap.bytes_out if self.swap else 0,
+            swapped_in_bytes=self.swap.bytes_in if self.swap else 0,
+            swap_seconds=self.swap.seconds() if self.swap else 0.0,
+            cache_hit_pages=self.cache.hits, copied_pages=self.cache.copies)
 
 
 _PLACEHOLDER = -1  # a sampled token whose value is still on its way from the device

@@ -83,6 +83,10 @@ class PrefixCache:
         for p in reversed(pages):
             self._maybe_evictable(p)
 
+    def evictable(self, page: int) -> bool:
+        """Whether ``page`` is cached and held by no sequence (it counts as available)."""
+        return page in self._evictable
+
     def fork(self, pages: list[int]) -> list[int]:
         """One more reference on each page (a second holder); they become read-only."""
         self.pool.fork(pages)

@@ -17,8 +17,13 @@ and a sequence cap (``max_num_seqs``):
    together is prefilled once. Requests behind it that share nothing with it go ahead.
 
 A step therefore mixes prefill chunks and decode tokens. A preempted sequence keeps its
-tokens; when it is admitted again its prefill recomputes prompt and generated tokens,
-after which it samples exactly as it would have — outputs do not depend on preemption.
+tokens. It is either *recomputed*: when it is admitted again its prefill recomputes
+prompt and generated tokens; or *swapped* (:mod:`cascadeinfer.engine.swap`): its pages
+are copied to host memory and back when it is admitted again (swapped sequences are
+older than the waiting ones, so they come first), and it carries on where it stopped.
+The :class:`~cascadeinfer.engine.swap.SwapPolicy` chooses; when the host slots run out, a
+victim is recomputed instead (logged). Either way it then samples exactly as it would
+have — outputs do not depend on preemption.
 
 The scheduler counts the tokens each step computes (:meth:`Scheduler.advance`): prompt
 tokens, all tokens, and the prompt tokens served from the prefix cache instead.
@@ -27,10 +32,14 @@ tokens, all tokens, and the prompt tokens served from the prefix cache instead.
 from __future__ import annotations
 
 import bisect
+import logging
 from dataclasses import dataclass, field
 
 from cascadeinfer.engine.prefix_cache import PrefixCache
 from cascadeinfer.engine.sequence import Sequence, Status
+from cascadeinfer.engine.swap import SwapPolicy, SwapSpace
+
+_LOG = logging.getLogger("cascadeinfer.engine")
 
 
 @dataclass(slots=True)
@@ -50,8 +59,16 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, cache: PrefixCache, *, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    """``swap``/``policy``: where preempted sequences may be swapped to and when (None:
+    every preemption recomputes)."""
+
+    def __init__(self, cache: PrefixCache, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 swap: SwapSpace | None = None, policy: SwapPolicy | None = None) -> None:
         self.cache = cache
+        self.swap = swap
+        self.policy = policy
+        self.num_swapped_out = 0  # preemptions that swapped
+        self.num_swap_fallbacks = 0  # swaps the policy chose that the host slots could not take
         self.page_size = cache.page_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -95,21 +112,51 @@ class Scheduler:
         """Make ``seq``'s pages cover ``num_tokens`` more tokens; the caller checked the count."""
         ps = self.page_size
         if seq.num_computed % ps:
+            if self.swap is not None and self.cache.pool.refcount(seq.pages[-1]) > 1:
+                self.swap.flush_out()  # the copy below may land on a page a victim gave up this step
             seq.pages[-1] = self.cache.copy_on_write(seq.pages[-1])
         need = -(-(seq.num_computed + num_tokens) // ps) - len(seq.pages)
         if need > 0:
             seq.pages.extend(self.cache.allocate(need))
 
     def preempt(self, seq: Sequence) -> None:
-        """Release all of ``seq``'s pages and send it back to the waiting queue."""
+        """Release all of ``seq``'s pages and send it back to the waiting queue, its pages
+        swapped out or to be recomputed (see the module docstring)."""
         self.running.remove(seq)
+        swapped = None
+        if self.swap is not None and seq.pages and self.policy.prefers_swap(len(seq.pages), seq.num_computed):
+            swapped = self.swap.swap_out(seq.pages, seq.num_computed)
+            if swapped is None:
+                self.num_swap_fallbacks += 1
+                log = _LOG.warning if self.num_swap_fallbacks == 1 else _LOG.info
+                log("preemption: the host swap space is full (%d of %d slots free, %d pages to swap): "
+                    "sequence %d will be recomputed instead (fallback %d)", self.swap.num_free,
+                    self.swap.num_slots, len(seq.pages), seq.seq_id, self.num_swap_fallbacks)
         self.cache.release(seq.pages)
         self.cache.drop_pending(seq)
         seq.pages = []
-        seq.num_computed = 0
-        seq.num_registered = 0
+        if swapped is None:
+            seq.num_computed = 0
+            seq.num_registered = 0
+        else:
+            seq.swapped = swapped
+            self.num_swapped_out += 1
         self.num_preemptions += 1
         self.add(seq)
+
+    def _swap_in(self, seq: Sequence, budget: int) -> int:
+        """Bring a swapped ``seq`` back if its pages and its next token fit; the tokens it
+        gets (0: it stays swapped, nothing taken)."""
+        ps = self.page_size
+        grow = max(0, -(-(seq.num_computed + 1) // ps) - len(seq.swapped.slots))
+        if self.swap.pages_to_swap_in(seq.swapped) + grow > self.cache.num_available:
+            return 0
+        seq.pages = self.swap.swap_in(seq.swapped)
+        seq.swapped = None
+        n = self._fit(seq, min(seq.num_remaining, budget))
+        if n == 0:  # the count above includes every page it takes
+            raise RuntimeError(f"scheduler: sequence {seq.seq_id} was swapped in but its next token does not fit")
+        return n
 
     def schedule(self) -> ScheduledBatch:
         """Plan the next step. Should every running sequence be stuck (prefills waiting for
@@ -163,6 +210,13 @@ class Scheduler:
                 break
             if seq.awaiting:  # nothing to compute until its beam search decides
                 continue
+            if seq.swapped is not None:
+                n = self._swap_in(seq, budget)
+                if n == 0:
+                    break
+                self._start(seq, n, batch)
+                budget -= n
+                continue
             hits, blocked = self.cache.match(seq)
             if blocked:
                 continue  # its prefix is being computed: it waits for those pages, the others need not
@@ -177,17 +231,21 @@ class Scheduler:
                 break
             self.cache.hits += len(hits)
             self.num_cached_prompt_tokens += min(seq.num_computed, seq.prompt_len)
-            self._reserve(seq, n)
-            self.waiting.remove(seq)
-            seq.status = Status.RUNNING
-            bisect.insort(self.running, seq, key=lambda s: s.seq_id)
-            self.cache.claim_pending(seq)
-            if n == 1 and seq.num_remaining == 1:
-                batch.decode.append(seq)
-            else:
-                batch.prefill.append((seq, n))
+            self._start(seq, n, batch)
             budget -= n
         return batch
+
+    def _start(self, seq: Sequence, n: int, batch: ScheduledBatch) -> None:
+        """Admit waiting ``seq`` (holding its cached or swapped-in pages) with ``n`` tokens."""
+        self._reserve(seq, n)
+        self.waiting.remove(seq)
+        seq.status = Status.RUNNING
+        bisect.insort(self.running, seq, key=lambda s: s.seq_id)
+        self.cache.claim_pending(seq)
+        if n == 1 and seq.num_remaining == 1:
+            batch.decode.append(seq)
+        else:
+            batch.prefill.append((seq, n))
 
     # ---- after a step ------------------------------------------------------------------
 
@@ -207,6 +265,10 @@ class Scheduler:
             child.num_computed = parent.num_computed
             child.num_registered = parent.num_registered
             child.page_hashes = list(parent.page_hashes)
+            if parent.swapped is not None:  # a swapped beam's continuation: swapped like it
+                child.swapped = self.swap.fork(parent.swapped)
+                self.add(child)
+                continue
             child.status = Status.RUNNING
             bisect.insort(self.running, child, key=lambda s: s.seq_id)
         return children
@@ -221,3 +283,6 @@ class Scheduler:
         self.cache.release(seq.pages)
         self.cache.drop_pending(seq)
         seq.pages = []
+        if seq.swapped is not None:
+            self.swap.drop(seq.swapped)
+            seq.swapped = None

@@ -4,15 +4,20 @@
 leading tokens whose K/V are in the sequence's pages (shared prefix pages included); the
 next step processes ``tokens[num_computed:]`` — the rest of the prompt (prefill, maybe in
 chunks) or the one token sampled last (decode). After a preemption the sequence holds no
-pages and ``num_computed`` is 0: the next prefill recomputes prompt and generated tokens
-alike, and generation continues exactly where it stopped.
+pages. Recomputed, its ``num_computed`` is 0: the next prefill recomputes prompt and
+generated tokens alike. Swapped, ``swapped`` says where its pages wait on the host and
+``num_computed`` stays. Either way generation continues exactly where it stopped.
 """
 
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 from cascadeinfer.engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from cascadeinfer.engine.swap import SwappedPages
 
 
 class Status(enum.Enum):
@@ -48,6 +53,9 @@ class Sequence:
         self.finish_reason: str | None = None
         self.num_computed = 0
         self.pages: list[int] = []
+        # Set while preempted by swapping: where its pages wait on the host (its
+        # num_computed stays); see swap.py.
+        self.swapped: SwappedPages | None = None
         self.forks: list[Sequence] = []  # samples 1..n-1, created when this one first samples
         # A beam whose next-token row is in, waiting for its siblings' (beam search decides
         # for all beams at once): nothing to compute, so it yields its pages first and is

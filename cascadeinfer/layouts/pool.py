@@ -174,6 +174,10 @@ class PagedKVPool:
             (num_layers, num_pages, 2, *inner, head_dim), dtype=dtype, device=device
         )
         self._refcount = [0] * num_pages
+        # Bumped each time a page is handed out: (page, generation) names one content
+        # lifetime of a page, so a copy of it made elsewhere (a swap) can tell whether the
+        # page still holds what was copied.
+        self._generation = [0] * num_pages
         # A stack: pop() hands out low page numbers first; freed pages are reused first.
         self._free = list(range(num_pages - 1, -1, -1))
         # When a list: every page copy copy_on_write makes, as (source, copy) (an engine
@@ -211,6 +215,11 @@ class PagedKVPool:
         """References held on ``page`` (0 when free)."""
         return self._refcount[self._page("page", page, None)]
 
+    def generation(self, page: int) -> int:
+        """How many times ``page`` has been handed out by :meth:`allocate`: while a page
+        stays allocated its generation stays, and it changes when the page is reused."""
+        return self._generation[self._page("page", page, None)]
+
     def allocate(self, n: int) -> list[int]:
         """``n`` fresh pages, each with refcount 1. All or nothing: raises
         :class:`OutOfPagesError` (pool unchanged) when fewer than ``n`` are free."""
@@ -223,6 +232,7 @@ class PagedKVPool:
         pages = [self._free.pop() for _ in range(n)]
         for p in pages:
             self._refcount[p] = 1
+            self._generation[p] += 1
         return pages
 
     def fork(self, pages: Iterable[int]) -> list[int]:
