@@ -96,18 +96,21 @@ class BeamState:
         self.improvable = True
         self.done = False
 
-    def step(self, log_probs: torch.Tensor, tokens: list[list[int]]) -> list[tuple[int, int, float]]:
-        """One step. ``log_probs``: float32 ``[k, vocab]``, row ``i`` the next-token
-        log-probabilities of running beam ``i`` (whose tokens are ``tokens[i]``). Returns
-        the next running beams as ``(parent beam, token, cumulative logprob)``, and sets
-        :attr:`done` when the search is over."""
+    def step(self, log_probs: torch.Tensor, token_ids: torch.Tensor, tokens: list[list[int]]
+             ) -> list[tuple[int, int, float]]:
+        """One step. Row ``i`` of ``log_probs`` (float32 ``[k, m]``, ``m >= keep``) holds
+        the ``m`` largest next-token log-probabilities of running beam ``i`` (whose tokens
+        are ``tokens[i]``), best first, and ``token_ids`` (int64 ``[k, m]``) their tokens:
+        the best ``keep`` candidates of all beams are among them, so the device sends no
+        more (whole rows would be ``m = vocab``). Returns the next running beams as
+        ``(parent beam, token, cumulative logprob)``, and sets :attr:`done` when the
+        search is over."""
         k, keep = self.k, self.keep
         if k == 1:  # transformers searches greedily then: the best token, to a stop or the length limit
-            return self._greedy(log_probs[0].float(), tokens[0])
-        vocab = log_probs.shape[1]
+            return self._greedy(float(log_probs[0, 0]), int(token_ids[0, 0]), tokens[0])
         total = (log_probs.float() + self.running[:, None]).reshape(-1)
         top, index = torch.topk(total, k=min(keep, total.numel()))
-        beam, token = index // vocab, index % vocab
+        beam, token = index // log_probs.shape[1], token_ids.reshape(-1)[index]
         last = self.cur_len + 1 >= self.max_length
         hits = torch.isin(token, self.stop_ids) | last
         # The running beams of the next step: the best candidates that did not stop.
@@ -152,9 +155,8 @@ class BeamState:
         self.done = not (self.improvable and open_beam and not bool(hits.all()))
         return nxt
 
-    def _greedy(self, log_probs: torch.Tensor, tokens: list[int]) -> list[tuple[int, int, float]]:
-        token = int(torch.argmax(log_probs))
-        total = float(self.running[0] + log_probs[token])
+    def _greedy(self, log_prob: float, token: int, tokens: list[int]) -> list[tuple[int, int, float]]:
+        total = float(self.running[0]) + log_prob
         self.running[0] = total
         self.cur_len += 1
         if token in self.stop_ids.tolist() or self.cur_len >= self.max_length:

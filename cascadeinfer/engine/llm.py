@@ -99,7 +99,8 @@ class _Request:
     stop_ids: frozenset[int]
     beam: BeamState | None = None  # beam search: the search's state, seqs its running beams in order
     result: list[BeamSearchSequence] | None = None
-    beam_rows: dict[int, torch.Tensor] = field(default_factory=dict)  # this step's log-probs, by seq_id
+    # The rows in so far of this search step, by seq_id: each beam's best log-probs and their tokens.
+    beam_rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 def _default_device() -> torch.device:
@@ -467,12 +468,16 @@ class LLM:
 
     def _beam_step(self, beam_rows: dict[int, list[tuple[Sequence, int]]], logits: torch.Tensor
                    ) -> list[RequestOutput]:
-        """Advance every beam request of the step (a host read of its rows' log-probs):
-        the beams that run on take their tokens now (forked where one beam has several
-        continuations, sharing its pages), pruned beams free their pages, and a finished
-        search ends its request. Returns the outputs of the requests that ended."""
+        """Advance every beam request of the step (a host read of each row's best
+        candidates): the beams that run on take their tokens now (forked where one beam has
+        several continuations, sharing its pages), pruned beams free their pages, and a
+        finished search ends its request. Returns the outputs of the requests that ended."""
         rows = [r for pairs in beam_rows.values() for _, r in pairs]
-        log_probs = torch.log_softmax(logits[torch.tensor(rows, device=logits.device)].float(), dim=-1).cpu()
+        log_probs = torch.log_softmax(logits[torch.tensor(rows, device=logits.device)].float(), dim=-1)
+        # Each row's best candidates are all a search needs (BeamState.step): the top
+        # `keep` of the row, found on the device, not the whole vocabulary copied over.
+        keep = max(self._requests[rid].beam.keep for rid in beam_rows)
+        values, token_ids = (t.cpu() for t in torch.topk(log_probs, k=min(keep, log_probs.shape[1]), dim=-1))
         at = {r: i for i, r in enumerate(rows)}
         ended = []
         for rid, pairs in beam_rows.items():
@@ -481,18 +486,18 @@ class LLM:
             # A step may run only some beams (its token budget, a preempted beam being
             # recomputed): the others' rows come in later steps, and the search moves on
             # once every beam's are in (a beam waiting for that has nothing to compute).
-            req.beam_rows.update((seq.seq_id, log_probs[at[r]]) for seq, r in pairs)
+            req.beam_rows.update((seq.seq_id, (values[at[r]], token_ids[at[r]])) for seq, r in pairs)
             if any(seq.seq_id not in req.beam_rows for seq in beams):
                 for seq, _ in pairs:
                     seq.awaiting = True
                 continue
-            lp = torch.stack([req.beam_rows.pop(seq.seq_id) for seq in beams])
+            got = [req.beam_rows.pop(seq.seq_id) for seq in beams]
+            # The first step: the other beams are copies of the prompt's.
+            got += got[:1] * (req.beam.k - len(beams))
             for seq in beams:
                 seq.awaiting = False
-            if len(beams) < req.beam.k:  # the first step: the other beams are copies of the prompt's
-                lp = torch.cat([lp, lp[:1].expand(req.beam.k - len(beams), -1)])
             tokens = [s.tokens for s in beams] + [beams[0].tokens] * (req.beam.k - len(beams))
-            chosen = req.beam.step(lp, tokens)
+            chosen = req.beam.step(torch.stack([v for v, _ in got]), torch.stack([t for _, t in got]), tokens)
             if req.beam.done:
                 req.result = req.beam.result()
                 for seq in beams:
