@@ -16,10 +16,11 @@ step. Pages are named by ``(page, generation)`` (:meth:`PagedKVPool.generation`)
 page freed and handed out again in between is never mistaken for the one copied.
 
 The copies of a step go in one batch (:meth:`SwapSpace.flush`, called by the engine
-before the step's kernels): a gather of the pages swapped out and their copy to the host
-slots, then the host slots swapped in copied up and scattered into their new pages, all
-ordered on the current stream with the steps around them (asynchronous to the host:
-nothing here waits for the device). Slots freed by a swap-in are reused only after that
+before the step's kernels): a gather of the pages swapped out (on the current stream, so
+before the step reuses them) whose copy to the host slots then runs on a stream of its
+own beside the step; then the host slots swapped in, copied up and scattered into their
+new pages on the current stream (the step needs them), after any copy out still running.
+Nothing here waits for the device. Slots freed by a swap-in are reused only after that
 flush, so a copy never overwrites a slot that another copy of the batch still reads.
 """
 
@@ -70,7 +71,12 @@ class SwapSpace:
         self._in: list[tuple[int, int]] = []  # (slot, device page)
         self._freed: list[int] = []  # slots to free after the next flush
         self.pages_out = self.pages_in = 0
-        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        # Per batch of copies: its start, its end on the current stream, and the end of its
+        # copies out on their own stream (None: there were none).
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event, torch.cuda.Event | None]] = []
+        self._new_out: torch.cuda.Event | None = None
+        self._stream: torch.cuda.Stream | None = None  # the copies out (GPU)
+        self._out_done: torch.cuda.Event | None = None  # recorded after the latest of them
         self._host_seconds = 0.0
 
     @property
@@ -104,12 +110,13 @@ class SwapSpace:
         return SwappedPages(list(swapped.slots), list(swapped.full))
 
     def seconds(self) -> float:
-        """Time the copies took so far: GPU time between events around each flush's copies
-        (waits for the last of them), or host time on a CPU."""
+        """Time the copies took so far: per batch, GPU time from its start to the later of
+        its end on the step's stream and the end of its copies out (waits for the last of
+        them), or host time on a CPU."""
         total = self._host_seconds
-        for start, end in self._events:
-            end.synchronize()
-            total += start.elapsed_time(end) / 1e3
+        for start, end, side in self._events:
+            last = max((e for e in (end, side) if e is not None), key=lambda e: (e.synchronize(), start.elapsed_time(e))[1])
+            total += start.elapsed_time(last) / 1e3
         return total
 
     # ---- out ------------------------------------------------------------------------
@@ -221,31 +228,51 @@ class SwapSpace:
     def _timed(self, *copies) -> None:
         cuda = self.pool.device.type == "cuda"
         if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start = torch.cuda.Event(enable_timing=True)
             start.record()
         else:
             t0 = time.perf_counter()
         for copy in copies:
             copy()
         if cuda:
+            end = torch.cuda.Event(enable_timing=True)
             end.record()
-            self._events.append((start, end))
+            side, self._new_out = self._new_out, None  # this batch's copies out, beside the step
+            self._events.append((start, end, side))
         else:
             self._host_seconds += time.perf_counter() - t0
 
     def _copy_out(self) -> None:
+        """The gather runs on the current stream (before the step can reuse the pages);
+        on a GPU its copy to the host runs on a stream of its own, beside the step."""
         if not self._out:
             return
         self._out.sort(key=lambda ps: ps[1])
         src = torch.tensor([p for p, _ in self._out], dtype=torch.long).to(self.pool.device, non_blocking=True)
         staged = self.pool.cache.index_select(1, src).transpose(0, 1).contiguous()  # [n, layers, 2, ...]
-        for i, j, first in _runs([s for _, s in self._out]):
-            self.host[first:first + j - i].copy_(staged[i:j], non_blocking=True)
+        runs = list(_runs([s for _, s in self._out]))
         self._out.clear()
+        if self.pool.device.type != "cuda":
+            for i, j, first in runs:
+                self.host[first:first + j - i].copy_(staged[i:j])
+            return
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.pool.device)
+        # After the gather and everything before it (earlier copies in of the same slots).
+        self._stream.wait_stream(torch.cuda.current_stream(self.pool.device))
+        with torch.cuda.stream(self._stream):
+            for i, j, first in runs:
+                self.host[first:first + j - i].copy_(staged[i:j], non_blocking=True)
+            self._out_done = torch.cuda.Event(enable_timing=True)
+            self._out_done.record()
+        self._new_out = self._out_done
+        staged.record_stream(self._stream)  # its memory stays reserved until those copies are done
 
     def _copy_in(self) -> None:
         if not self._in:
             return
+        if self._out_done is not None:  # a slot copied out beside an earlier step may be read now
+            torch.cuda.current_stream(self.pool.device).wait_event(self._out_done)
         self._in.sort()
         staged = torch.empty((len(self._in), *self.host.shape[1:]), dtype=self.host.dtype, device=self.pool.device)
         for i, j, first in _runs([s for s, _ in self._in]):
