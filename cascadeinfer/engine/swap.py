@@ -114,9 +114,11 @@ class SwapSpace:
         its end on the step's stream and the end of its copies out (waits for the last of
         them), or host time on a CPU."""
         total = self._host_seconds
-        for start, end, side in self._events:
-            last = max((e for e in (end, side) if e is not None), key=lambda e: (e.synchronize(), start.elapsed_time(e))[1])
-            total += start.elapsed_time(last) / 1e3
+        for start, *ends in self._events:
+            ends = [e for e in ends if e is not None]
+            for e in ends:
+                e.synchronize()
+            total += max(start.elapsed_time(e) for e in ends) / 1e3
         return total
 
     # ---- out ------------------------------------------------------------------------
