@@ -77,7 +77,7 @@ class SwapSpace:
         self._new_out: torch.cuda.Event | None = None
         self._stream: torch.cuda.Stream | None = None  # the copies out (GPU)
         self._out_done: torch.cuda.Event | None = None  # recorded after the latest of them
-        self._host_seconds = 0.0
+        self._seconds = 0.0  # of the batches counted so far
 
     @property
     def host(self) -> torch.Tensor:
@@ -113,13 +113,21 @@ class SwapSpace:
         """Time the copies took so far: per batch, GPU time from its start to the later of
         its end on the step's stream and the end of its copies out (waits for the last of
         them), or host time on a CPU."""
-        total = self._host_seconds
-        for start, *ends in self._events:
+        self._count(wait=True)
+        return self._seconds
+
+    def _count(self, *, wait: bool) -> None:
+        """Add the batches whose copies are done (all of them, waiting, with ``wait``) to
+        the time counted, and forget their events."""
+        while self._events:
+            start, *ends = self._events[0]
             ends = [e for e in ends if e is not None]
+            if not wait and not all(e.query() for e in ends):
+                return
             for e in ends:
                 e.synchronize()
-            total += max(start.elapsed_time(e) for e in ends) / 1e3
-        return total
+            self._seconds += max(start.elapsed_time(e) for e in ends) / 1e3
+            self._events.pop(0)
 
     # ---- out ------------------------------------------------------------------------
 
@@ -240,9 +248,10 @@ class SwapSpace:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
             side, self._new_out = self._new_out, None  # this batch's copies out, beside the step
+            self._count(wait=False)  # so that the events kept stay few over a long run
             self._events.append((start, end, side))
         else:
-            self._host_seconds += time.perf_counter() - t0
+            self._seconds += time.perf_counter() - t0
 
     def _copy_out(self) -> None:
         """The gather runs on the current stream (before the step can reuse the pages);
