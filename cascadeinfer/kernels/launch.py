@@ -14,13 +14,17 @@ launcher records its first call and replays the recording afterwards:
   the call's scratch buffer when it came from :func:`scratch`, and kept as it is
   otherwise (tensors the owner of the recording keeps alive, e.g. a plan's metadata).
 - ``Recording.replay(roots)`` reads the new roots' addresses and launches the same
-  kernels. On CUDA it calls each compiled kernel's generated C launcher directly with
-  integer addresses, skipping Triton's argument binding, specialisation, cache lookup
-  and per-pointer driver query, and the launcher's own Python checks (what is left is
-  the C launcher itself, 8-10 µs for a 50-argument kernel on an H100 machine's CPU:
-  benchmarks/NOTES.md, "Host cost"). Under ``TRITON_INTERPRET=1`` it
-  launches through the JIT function again with views of the new tensors, so the same
-  recording and address logic is what CI tests.
+  kernels. On CUDA every kernel of the recording goes out in one call of our C launcher
+  (:mod:`cascadeinfer.kernels.direct_launch`: parameters packed once, the new addresses
+  patched in, ``cuLaunchKernelEx``), or, where that launcher is unavailable, through each
+  compiled kernel's generated Triton launcher called directly with integer addresses;
+  either way without Triton's argument binding, specialisation, cache lookup and
+  per-pointer driver query, and without the launcher's own Python checks
+  (benchmarks/NOTES.md, "Host cost"). Under ``TRITON_INTERPRET=1`` it launches through
+  the JIT function again with the new tensors, so the same recording and address logic
+  is what CI tests.
+- :class:`LaunchCache` keeps a launcher's recordings; :meth:`LaunchCache.find` recognises
+  a signature seen lately through torch's C++ tensor guards before it builds a key.
 
 A replay is exact only for a call with the recorded signature: the caller keys its
 recordings by :func:`call_key`, which holds every property the launcher's host work and
