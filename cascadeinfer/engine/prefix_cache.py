@@ -80,8 +80,13 @@ class PrefixCache:
     def release(self, pages: list[int]) -> None:
         """Drop one reference per page (a sequence finished or was preempted)."""
         self.pool.free(pages)
-        for p in reversed(pages):
-            self._maybe_evictable(p)
+        if not self._entry:
+            return
+        entry, evictable, refcount = self._entry, self._evictable, self.pool._refcount
+        for p in reversed(pages):  # _maybe_evictable, inlined: an engine releases hundreds at once
+            if p in entry and refcount[p] == 1:
+                evictable[p] = None
+                evictable.move_to_end(p)
 
     def evictable(self, page: int) -> bool:
         """Whether ``page`` is cached and held by no sequence (it counts as available)."""

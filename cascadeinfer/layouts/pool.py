@@ -242,8 +242,9 @@ class PagedKVPool:
         """
         pages = self._pages(pages)
         self._require_allocated(pages)
+        refcount = self._refcount
         for p in pages:
-            self._refcount[p] += 1
+            refcount[p] += 1
         return pages
 
     def free(self, pages: Iterable[int]) -> None:
@@ -253,13 +254,19 @@ class PagedKVPool:
         e.g. freeing a free page or listing a page more times than it is referenced.
         """
         pages = self._pages(pages)
-        for p, count in Counter(pages).items():
-            if self._refcount[p] < count:
-                raise ValueError(
-                    f"pages: page {p} is freed {count} time(s) but holds {self._refcount[p]} reference(s)"
-                )
+        refcount = self._refcount
+        # The common case, every page listed once and held, in one pass; else count them.
+        if not all(refcount[p] for p in pages) or len(set(pages)) != len(pages):
+            for p, count in Counter(pages).items():
+                if refcount[p] < count:
+                    raise ValueError(
+                        f"pages: page {p} is freed {count} time(s) but holds {refcount[p]} reference(s)"
+                    )
+        free = self._free
         for p in pages:
-            self._release(p)
+            refcount[p] -= 1
+            if refcount[p] == 0:
+                free.append(p)
 
     def copy_on_write(self, pages: Iterable[int]) -> list[int]:
         """Make the caller the sole owner of each listed page; returns the new page list.
@@ -330,9 +337,16 @@ class PagedKVPool:
     def _pages(self, pages: Iterable[int]) -> list[int]:
         if isinstance(pages, torch.Tensor):
             pages = pages.tolist()
+        pages = list(pages)
+        # An engine passes hundreds of plain ints per call: checked in bulk, one by one only
+        # to name what is wrong.
+        if pages and all(type(p) is int for p in pages) and 0 <= min(pages) and max(pages) < self.num_pages:
+            return pages
         return [self._page("pages", p, i) for i, p in enumerate(pages)]
 
     def _require_allocated(self, pages: list[int]) -> None:
+        if all(self._refcount[p] for p in pages):
+            return
         for i, p in enumerate(pages):
             if self._refcount[p] == 0:
                 raise ValueError(f"pages: page {p} at position {i} is free (not allocated)")
