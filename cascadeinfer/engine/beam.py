@@ -16,9 +16,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
-_NEG = -1.0e9  # transformers' "impossible" score
+_NEG = np.float32(-1.0e9)  # transformers' "impossible" score
+
+
+def _topk(x: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the ``k`` largest values of ``x``, largest first, equal values in index
+    order (the many ``_NEG`` ties of a search resolve to the earlier, older entries)."""
+    return np.argsort(-x, kind="stable")[:k]
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,60 +82,63 @@ class BeamSearchOutput:
 
 class BeamState:
     """The beams of one request between steps: the running beams' scores, the finished
-    hypotheses, and transformers' stopping state."""
+    hypotheses, and transformers' stopping state. Kept in numpy: a step works on a few
+    dozen numbers, where each torch op would cost more than the arithmetic."""
 
     def __init__(self, prompt_len: int, params: BeamSearchParams, stop_ids: frozenset[int]) -> None:
         k = params.beam_width
         self.params = params
         self.k = k
-        self.stop_ids = torch.tensor(sorted(stop_ids), dtype=torch.int64)
+        self.stop_ids = np.array(sorted(stop_ids), dtype=np.int64)
         self.keep = max(2, 1 + len(stop_ids)) * k
         self.prompt_len = prompt_len
         self.cur_len = prompt_len
         self.max_length = prompt_len + params.max_tokens
-        self.running = torch.full((k,), _NEG)
+        self.running = np.full(k, _NEG, dtype=np.float32)
         self.running[0] = 0.0
-        self.scores = torch.full((k,), _NEG)  # the finished hypotheses, best first
+        self.scores = np.full(k, _NEG, dtype=np.float32)  # the finished hypotheses, best first
         self.finished_tokens: list[list[int] | None] = [None] * k
         self.finished_sums: list[float] = [0.0] * k
-        self.is_finished = torch.zeros(k, dtype=torch.bool)
+        self.is_finished = np.zeros(k, dtype=bool)
         self.improvable = True
         self.done = False
 
-    def step(self, log_probs: torch.Tensor, token_ids: torch.Tensor, tokens: list[list[int]]
-             ) -> list[tuple[int, int, float]]:
-        """One step. Row ``i`` of ``log_probs`` (float32 ``[k, m]``, ``m >= keep``) holds
-        the ``m`` largest next-token log-probabilities of running beam ``i`` (whose tokens
-        are ``tokens[i]``), best first, and ``token_ids`` (int64 ``[k, m]``) their tokens:
-        the best ``keep`` candidates of all beams are among them, so the device sends no
-        more (whole rows would be ``m = vocab``). Returns the next running beams as
-        ``(parent beam, token, cumulative logprob)``, and sets :attr:`done` when the
-        search is over."""
+    def step(self, log_probs, token_ids, tokens: list[list[int]]) -> list[tuple[int, int, float]]:
+        """One step. Row ``i`` of ``log_probs`` (float32 ``[k, m]``, ``m >= keep``; numpy or
+        a CPU tensor) holds the ``m`` largest next-token log-probabilities of running beam
+        ``i`` (whose tokens are ``tokens[i]``), best first, and ``token_ids`` (int64
+        ``[k, m]``) their tokens: the best ``keep`` candidates of all beams are among them,
+        so the device sends no more (whole rows would be ``m = vocab``). Returns the next
+        running beams as ``(parent beam, token, cumulative logprob)``, and sets
+        :attr:`done` when the search is over."""
         k, keep = self.k, self.keep
+        log_probs = np.asarray(log_probs, dtype=np.float32)
+        token_ids = np.asarray(token_ids)
         if k == 1:  # transformers searches greedily then: the best token, to a stop or the length limit
-            return self._greedy(float(log_probs[0, 0]), int(token_ids[0, 0]), tokens[0])
-        total = (log_probs.float() + self.running[:, None]).reshape(-1)
-        top, index = torch.topk(total, k=min(keep, total.numel()))
+            return self._greedy(log_probs[0, 0], int(token_ids[0, 0]), tokens[0])
+        total = (log_probs + self.running[:, None]).reshape(-1)
+        index = _topk(total, min(keep, total.size))
+        top = total[index]
         beam, token = index // log_probs.shape[1], token_ids.reshape(-1)[index]
         last = self.cur_len + 1 >= self.max_length
-        hits = torch.isin(token, self.stop_ids) | last
+        hits = np.isin(token, self.stop_ids) | last
         # The running beams of the next step: the best candidates that did not stop.
-        running_scores = top + hits.float() * _NEG
-        order = torch.topk(running_scores, k=k)[1]
+        running_scores = top + hits.astype(np.float32) * _NEG
+        order = _topk(running_scores, k)
         nxt = [(int(beam[i]), int(token[i]), float(top[i])) for i in order]
         # The finished hypotheses: those among the first k candidates that stopped.
-        just = hits.clone()
+        just = hits.copy()
         just[k:] = False
-        penalised = top / ((self.cur_len + 1 - self.prompt_len) ** self.params.length_penalty)
-        if bool(self.is_finished.all()) and self.params.early_stopping is True:
+        penalised = top / np.float32((self.cur_len + 1 - self.prompt_len) ** self.params.length_penalty)
+        if self.is_finished.all() and self.params.early_stopping is True:
             penalised = penalised + _NEG
         if not self.improvable:
             penalised = penalised + _NEG
-        penalised = penalised + (~just).float() * _NEG
-        merged = torch.cat([self.scores, penalised])
-        best = torch.topk(merged, k=k)[1].tolist()
+        penalised = penalised + (~just).astype(np.float32) * _NEG
+        merged = np.concatenate([self.scores, penalised])
+        best = _topk(merged, k)
         new_tokens, new_sums = [], []
-        was_finished = torch.cat([self.is_finished, just])
+        was_finished = np.concatenate([self.is_finished, just])
         for i in best:
             if i < k:
                 new_tokens.append(self.finished_tokens[i])
@@ -149,21 +158,22 @@ class BeamState:
         else:
             length = self.cur_len - self.prompt_len
         best_running = float(self.running[0]) / (length ** self.params.length_penalty)
-        worst = float(self.scores.min()) if bool(self.is_finished.all()) else _NEG
+        worst = float(self.scores.min()) if self.is_finished.all() else _NEG
         self.improvable = self.improvable and best_running > worst
-        open_beam = not (bool(self.is_finished.all()) and self.params.early_stopping is True)
-        self.done = not (self.improvable and open_beam and not bool(hits.all()))
+        open_beam = not (self.is_finished.all() and self.params.early_stopping is True)
+        self.done = not (self.improvable and open_beam and not hits.all())
         return nxt
 
-    def _greedy(self, log_prob: float, token: int, tokens: list[int]) -> list[tuple[int, int, float]]:
-        total = float(self.running[0]) + log_prob
+    def _greedy(self, log_prob: np.float32, token: int, tokens: list[int]) -> list[tuple[int, int, float]]:
+        total = self.running[0] + log_prob  # float32, as transformers adds
         self.running[0] = total
         self.cur_len += 1
-        if token in self.stop_ids.tolist() or self.cur_len >= self.max_length:
-            self.finished_tokens, self.finished_sums = [tokens + [token]], [total]
-            self.scores = torch.tensor([total / ((self.cur_len - self.prompt_len) ** self.params.length_penalty)])
+        if token in self.stop_ids or self.cur_len >= self.max_length:
+            self.finished_tokens, self.finished_sums = [tokens + [token]], [float(total)]
+            penalty = (self.cur_len - self.prompt_len) ** self.params.length_penalty
+            self.scores = np.array([float(total) / penalty], dtype=np.float32)
             self.done = True
-        return [(0, token, total)]
+        return [(0, token, float(total))]
 
     def result(self) -> list[BeamSearchSequence]:
         """The finished hypotheses, best first (transformers returns the same ``k``)."""

@@ -14,6 +14,7 @@ import weakref
 from collections.abc import Iterator, Sequence as Seq
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -100,7 +101,7 @@ class _Request:
     beam: BeamState | None = None  # beam search: the search's state, seqs its running beams in order
     result: list[BeamSearchSequence] | None = None
     # The rows in so far of this search step, by seq_id: each beam's best log-probs and their tokens.
-    beam_rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    beam_rows: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
 
 
 def _default_device() -> torch.device:
@@ -477,7 +478,7 @@ class LLM:
         # Each row's best candidates are all a search needs (BeamState.step): the top
         # `keep` of the row, found on the device, not the whole vocabulary copied over.
         keep = max(self._requests[rid].beam.keep for rid in beam_rows)
-        values, token_ids = (t.cpu() for t in torch.topk(log_probs, k=min(keep, log_probs.shape[1]), dim=-1))
+        values, token_ids = (t.cpu().numpy() for t in torch.topk(log_probs, k=min(keep, log_probs.shape[1]), dim=-1))
         at = {r: i for i, r in enumerate(rows)}
         ended = []
         for rid, pairs in beam_rows.items():
@@ -497,7 +498,7 @@ class LLM:
             for seq in beams:
                 seq.awaiting = False
             tokens = [s.tokens for s in beams] + [beams[0].tokens] * (req.beam.k - len(beams))
-            chosen = req.beam.step(torch.stack([v for v, _ in got]), torch.stack([t for _, t in got]), tokens)
+            chosen = req.beam.step(np.stack([v for v, _ in got]), np.stack([t for _, t in got]), tokens)
             if req.beam.done:
                 req.result = req.beam.result()
                 for seq in beams:
