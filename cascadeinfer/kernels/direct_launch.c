@@ -24,9 +24,11 @@
 
 typedef CUresult (*launch_ex_t)(const CUlaunchConfig *, CUfunction, void **, void **);
 typedef CUresult (*error_string_t)(CUresult, const char **);
+typedef CUresult (*ctx_get_current_t)(CUcontext *);
 
 static launch_ex_t launch_ex = NULL;
 static error_string_t error_string = NULL;
+static ctx_get_current_t ctx_get_current = NULL;
 
 typedef struct {
   uint16_t offset; /* byte offset of the 8-byte address in the parameter bytes */
@@ -187,6 +189,7 @@ static int load_driver(void) {
     return -1;
   }
   error_string = (error_string_t)dlsym(lib, "cuGetErrorString");
+  ctx_get_current = (ctx_get_current_t)dlsym(lib, "cuCtxGetCurrent");
   launch_ex = (launch_ex_t)dlsym(lib, "cuLaunchKernelEx");
   if (!launch_ex) {
     PyErr_SetString(PyExc_RuntimeError, "direct launch: libcuda.so.1 has no cuLaunchKernelEx");
@@ -195,7 +198,10 @@ static int load_driver(void) {
   return 0;
 }
 
-/* run(capsules, roots, stream): launch each recorded kernel, in order, on `stream`. */
+/* run(capsules, roots, stream) -> bool: launch each recorded kernel, in order, on
+ * `stream`. False, launching nothing, when the calling thread has no current CUDA
+ * context (a thread whose first CUDA work this is): the caller then launches through
+ * Triton's launcher, which makes the device's context current. */
 static PyObject *run(PyObject *self, PyObject *args) {
   PyObject *launches, *roots_tuple;
   unsigned long long stream;
@@ -206,6 +212,11 @@ static PyObject *run(PyObject *self, PyObject *args) {
   uint64_t roots[MAX_ROOTS];
   if (read_roots(roots_tuple, roots) < 0)
     return NULL;
+  if (ctx_get_current) {
+    CUcontext ctx = NULL;
+    if (ctx_get_current(&ctx) != CUDA_SUCCESS || ctx == NULL)
+      Py_RETURN_FALSE;
+  }
   Py_ssize_t n = PyTuple_GET_SIZE(launches);
   CUresult status = CUDA_SUCCESS;
   for (Py_ssize_t k = 0; k < n && status == CUDA_SUCCESS; k++) {
@@ -252,7 +263,7 @@ static PyObject *run(PyObject *self, PyObject *args) {
     PyErr_Format(PyExc_RuntimeError, "direct launch: cuLaunchKernelEx failed: %s", text);
     return NULL;
   }
-  Py_RETURN_NONE;
+  Py_RETURN_TRUE;
 }
 
 static PyMethodDef methods[] = {

@@ -12,7 +12,9 @@ kernels of a recording in one call to the C module beside this file
 
 The module is built on first use with Triton's own C build (the compiler and the
 ``cuda.h`` Triton ships, the way Triton builds its launchers) and cached by Triton. It
-needs no GPU to build; libcuda is opened on the first launch. Where it cannot be built,
+needs no GPU to build; libcuda is opened on the first launch. A thread with no current
+CUDA context (its first CUDA work) gets ``False`` from ``run`` and nothing launched: the
+caller goes through Triton's launcher then, which makes the context current. Where it cannot be built,
 or with ``CASCADEINFER_DIRECT_LAUNCH=0``, or for a kernel it does not handle (launch-time
 scratch, clusters, parameter types other than pointers, integers and floats), replays
 go through Triton's launcher as before.

@@ -136,9 +136,8 @@ class Recording:
         hooked = bool(knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls)
         if not hooked:
             direct = self._direct if self._direct is not None else self._prepare_direct(len(roots))
-            if direct:
-                ptrs.append(base)
-                direct_launch.module().run(direct, tuple(ptrs), stream)
+            # False: this thread has no current CUDA context yet; Triton's launcher below makes it.
+            if direct and direct_launch.module().run(direct, (*ptrs, base), stream):
                 return
         for ln in self.launches:
             args = ln.args.copy()
