@@ -348,12 +348,8 @@ class LLM:
             list(params) if isinstance(params, (list, tuple)) else [])
         if len(each) != len(prompts) or not all(isinstance(p, BeamSearchParams) for p in each):
             raise TypeError(f"params: expected a BeamSearchParams or one per prompt ({len(prompts)})")
-        checked = []
-        for i, (prompt, p) in enumerate(zip(prompts, each)):
-            text, ids = self._prompt_ids(prompt, i)
-            self._check_beam_request(ids, p, i)
-            checked.append((text, ids, p))
-        request_ids = [self._add_beam(text, ids, p) for text, ids, p in checked]
+        request_ids = [self._add_beam(text, ids, p) for text, ids, p in self._checked(prompts, each,
+                                                                                   self._check_beam_request)]
         done: dict[int, RequestOutput] = {}
         for i, out in self._run(request_ids, updates=False):
             if out.finished:
@@ -584,12 +580,17 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
+        return [self._add(text, ids, p) for text, ids, p in self._checked(prompts, params, self._check_request)]
+
+    def _checked(self, prompts: list, params: list, check) -> list[tuple[str | None, list[int], object]]:
+        """``(text, token ids, params)`` per prompt, every one checked (``check(ids, params,
+        index)``) before any is queued, so that a bad prompt queues nothing."""
         checked = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             text, ids = self._prompt_ids(prompt, i)
-            self._check_request(ids, p, i)
+            check(ids, p, i)
             checked.append((text, ids, p))
-        return [self._add(text, ids, p) for text, ids, p in checked]
+        return checked
 
     def _run(self, request_ids: list[int], *, updates: bool = True) -> Iterator[tuple[int, RequestOutput]]:
         index = {rid: i for i, rid in enumerate(request_ids)}

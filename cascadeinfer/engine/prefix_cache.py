@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from collections.abc import Iterable
 
 from cascadeinfer.engine.sequence import Sequence
 from cascadeinfer.layouts.pool import OutOfPagesError, PagedKVPool
@@ -80,13 +81,7 @@ class PrefixCache:
     def release(self, pages: list[int]) -> None:
         """Drop one reference per page (a sequence finished or was preempted)."""
         self.pool.free(pages)
-        if not self._entry:
-            return
-        entry, evictable, refcount = self._entry, self._evictable, self.pool._refcount
-        for p in reversed(pages):  # _maybe_evictable, inlined: an engine releases hundreds at once
-            if p in entry and refcount[p] == 1:
-                evictable[p] = None
-                evictable.move_to_end(p)
+        self._maybe_evictable(reversed(pages))
 
     def evictable(self, page: int) -> bool:
         """Whether ``page`` is cached and held by no sequence (it counts as available)."""
@@ -108,13 +103,21 @@ class PrefixCache:
             self._evict(1)
         new = self.pool.copy_on_write([page])[0]
         self.copies += 1
-        self._maybe_evictable(page)
+        self._maybe_evictable([page])
         return new
 
-    def _maybe_evictable(self, page: int) -> None:
-        if page in self._entry and self.pool.refcount(page) == 1:
-            self._evictable[page] = None
-            self._evictable.move_to_end(page)
+    def _maybe_evictable(self, pages: Iterable[int]) -> None:
+        """Make the cached ones among ``pages`` that only the cache holds now evictable,
+        the last listed most recently released."""
+        if not self._entry:
+            return
+        # The pool's counts read directly: the pages were just checked by the pool, and an
+        # engine releases hundreds at once.
+        entry, evictable, refcount = self._entry, self._evictable, self.pool._refcount
+        for p in pages:
+            if p in entry and refcount[p] == 1:
+                evictable[p] = None
+                evictable.move_to_end(p)
 
     def _evict(self, n: int) -> None:
         for _ in range(max(0, n)):

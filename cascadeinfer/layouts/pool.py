@@ -262,11 +262,7 @@ class PagedKVPool:
                     raise ValueError(
                         f"pages: page {p} is freed {count} time(s) but holds {refcount[p]} reference(s)"
                     )
-        free = self._free
-        for p in pages:
-            refcount[p] -= 1
-            if refcount[p] == 0:
-                free.append(p)
+        self._release(pages)
 
     def copy_on_write(self, pages: Iterable[int]) -> list[int]:
         """Make the caller the sole owner of each listed page; returns the new page list.
@@ -305,8 +301,7 @@ class PagedKVPool:
                 self._refcount[p] = 0
             self._free = free_before
             raise
-        for p in src:
-            self._release(p)
+        self._release(src)
         if self.copy_log is not None:
             self.copy_log.extend(zip(src, fresh))
         it = iter(fresh)
@@ -351,10 +346,13 @@ class PagedKVPool:
             if self._refcount[p] == 0:
                 raise ValueError(f"pages: page {p} at position {i} is free (not allocated)")
 
-    def _release(self, p: int) -> None:
-        self._refcount[p] -= 1
-        if self._refcount[p] == 0:
-            self._free.append(p)
+    def _release(self, pages: list[int]) -> None:
+        """Drop one reference per page (checked by the caller); free those reaching 0."""
+        refcount, free = self._refcount, self._free
+        for p in pages:
+            refcount[p] -= 1
+            if refcount[p] == 0:
+                free.append(p)
 
     def __repr__(self) -> str:
         return (
