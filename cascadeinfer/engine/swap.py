@@ -74,7 +74,6 @@ class SwapSpace:
         # Per batch of copies: its start, its end on the current stream, and the end of its
         # copies out on their own stream (None: there were none).
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event, torch.cuda.Event | None]] = []
-        self._new_out: torch.cuda.Event | None = None
         self._stream: torch.cuda.Stream | None = None  # the copies out (GPU)
         self._out_done: torch.cuda.Event | None = None  # recorded after the latest of them
         self._seconds = 0.0  # of the batches counted so far
@@ -240,6 +239,7 @@ class SwapSpace:
         if cuda:
             start = torch.cuda.Event(enable_timing=True)
             start.record()
+            before = self._out_done
         else:
             t0 = time.perf_counter()
         for copy in copies:
@@ -247,7 +247,7 @@ class SwapSpace:
         if cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-            side, self._new_out = self._new_out, None  # this batch's copies out, beside the step
+            side = self._out_done if self._out_done is not before else None  # this batch's copies out
             self._count(wait=False)  # so that the events kept stay few over a long run
             self._events.append((start, end, side))
         else:
@@ -276,7 +276,6 @@ class SwapSpace:
                 self.host[first:first + j - i].copy_(staged[i:j], non_blocking=True)
             self._out_done = torch.cuda.Event(enable_timing=True)
             self._out_done.record()
-        self._new_out = self._out_done
         staged.record_stream(self._stream)  # its memory stays reserved until those copies are done
 
     def _copy_in(self) -> None:
