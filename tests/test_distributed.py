@@ -1,5 +1,6 @@
 """The distributed paths over torch.distributed: 2 CPU processes joined by gloo, and the
-gpu-marked tests with NCCL (one GPU per process; those of 2 ranks need 2 GPUs).
+gpu-marked tests with NCCL (one GPU per process; a test of N ranks needs N GPUs and is
+skipped on fewer).
 
 Each test body runs in every rank (``run_ranks``); an assertion failing in a rank fails
 the test. The ranks inherit the test run's kernel path (the Triton interpreter on a CPU)
@@ -48,8 +49,13 @@ def _device(backend: str, rank: int) -> torch.device:
     return torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
 
 
-needs_two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                                    reason="needs 2 GPUs")
+def _gpus(world: int):
+    """``world`` as a test parameter, skipped where fewer than ``world`` GPUs exist."""
+    enough = torch.cuda.is_available() and torch.cuda.device_count() >= world
+    return pytest.param(world, id=f"{world}gpus", marks=pytest.mark.skipif(not enough, reason=f"needs {world} GPUs"))
+
+
+NCCL_WORLDS = [_gpus(2), _gpus(4)]
 
 
 def _split_keys(seed: int, rank: int, world: int, n: int, hq: int, hkv: int, d: int, dtype: torch.dtype):
@@ -526,49 +532,50 @@ def test_nccl_world_of_one_runs_the_same_path(tmp_path):
         dist.destroy_process_group()
 
 
-# ---- NCCL on 2 GPUs
+# ---- NCCL on 2 and 4 GPUs
 
 
 @pytest.mark.gpu
-@needs_two_gpus
-def test_nccl_merge_states_across_on_two_gpus():
+@pytest.mark.parametrize("world", NCCL_WORLDS)
+def test_nccl_merge_states_across(world):
     for dtype in (torch.float32, torch.bfloat16):
-        run_ranks(_body_equals_attention_over_all_keys, 11, dtype, "nccl", backend="nccl")
-    run_ranks(_body_lse_gaps, "nccl", backend="nccl")
+        run_ranks(_body_equals_attention_over_all_keys, 11, dtype, "nccl", world=world, backend="nccl")
+    run_ranks(_body_lse_gaps, "nccl", world=world, backend="nccl")
 
 
 @pytest.mark.gpu
-@needs_two_gpus
-def test_nccl_context_parallel_cascade_on_two_gpus():
+@pytest.mark.parametrize("world", NCCL_WORLDS)
+def test_nccl_context_parallel_cascade(world):
     """Each GPU its share of a level's pages (bf16), eagerly and replayed from a CUDA graph
     with the all-gather inside: the one-GPU cascade's answer and the float64 reference's."""
-    run_ranks(_body_context_parallel, _CP_CASES, "nccl", backend="nccl")
+    run_ranks(_body_context_parallel, _CP_CASES, "nccl", world=world, backend="nccl")
 
 
 @pytest.mark.gpu
-@needs_two_gpus
+@pytest.mark.parametrize("world", NCCL_WORLDS)
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_tensor_parallel_engine_on_two_gpus(arch, tmp_path):
-    """TP=2 over NCCL, decode steps captured in CUDA graphs with their all-reduces inside:
-    greedy tokens equal TP=1's on one GPU and transformers'."""
+def test_tensor_parallel_engine_on_gpus(arch, world, tmp_path):
+    """TP=2 and TP=4 over NCCL, decode steps captured in CUDA graphs with their all-reduces
+    inside: greedy tokens equal TP=1's on one GPU and transformers'. The tiny model has
+    as many KV heads as ranks (4 query heads), so each GPU holds one."""
     from test_engine import GREEDY, SHARED, UNSHARED, _tiny, hf_greedy  # noqa: PLC0415
 
     from cascadeinfer.engine import LLM, SamplingParams  # noqa: PLC0415
 
-    model = _tiny(arch, tmp_path)
+    model = _tiny(arch, tmp_path, num_key_value_heads=world)
     prompts = SHARED + UNSHARED
     params = [SamplingParams(max_tokens=6 + i, n=2 if i == 1 else 1, **GREEDY) for i in range(len(prompts))]
     kw = dict(device="cuda:0", dtype=torch.float32, page_size=4, num_pages=96, record_steps=True)
     one = [[s.token_ids for s in o.outputs] for o in LLM(tmp_path, **kw).generate(prompts, params)]
-    llm = LLM(tmp_path, tensor_parallel_size=2, **kw)
+    llm = LLM(tmp_path, tensor_parallel_size=world, **kw)
     try:
-        two = [[s.token_ids for s in o.outputs] for o in llm.generate(prompts, params)]
+        many = [[s.token_ids for s in o.outputs] for o in llm.generate(prompts, params)]
         assert any(s.graph for s in llm.step_stats)
         assert llm.cache.copies > 0
     finally:
         llm.close()
-    assert two == one
-    for prompt, p, outs in zip(prompts, params, two):
+    assert many == one
+    for prompt, p, outs in zip(prompts, params, many):
         assert all(t == hf_greedy(model, prompt, p.max_tokens, "cuda:0") for t in outs)
 
 
