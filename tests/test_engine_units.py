@@ -421,3 +421,22 @@ def test_bench_floors_by_hand():
         Ceilings(0.0, 1.0)
     with pytest.raises(ValueError, match="new_tokens"):
         Workload(requests=2, prefix=4, suffix=2, new_tokens=0)
+
+
+def test_step_profile_cuts_steps_at_markers_and_counts_overlap_once():
+    """benchmarks/tools/profile_engine_step: a step runs from its marker to the next one;
+    kernels of one kind side by side count once in that kind's busy time."""
+    from benchmarks.tools.profile_engine_step import split_at_markers, summarize  # noqa: PLC0415
+
+    k = lambda name, ts, dur: {"name": name, "ts": ts, "dur": dur, "cat": "kernel"}  # noqa: E731
+    events = [k("gemm_before_any_marker", -5, 2), k("spin_kernel", 0, 1), k("nvjet_tst_128x256", 2, 5),
+              k("_prefill_kernel", 3, 5), k("_decode_kernel", 4, 2), k("spin_kernel", 20, 1), k("argmax", 22, 1),
+              k("spin_kernel", 30, 1), k("after_the_last_marker", 40, 1)]
+    steps = split_at_markers(events)
+    assert [(a, b, [e["name"] for e in evs]) for a, b, evs in steps] == [
+        (1, 20, ["nvjet_tst_128x256", "_prefill_kernel", "_decode_kernel"]), (21, 30, ["argmax"])]
+    first = summarize(*steps[0])
+    assert (first["span_us"], first["busy_us"], first["idle_us"]) == (19, 6, 13)
+    assert first["kinds"]["attention"] == {"sum_us": 7, "busy_us": 5, "count": 2}
+    assert first["kinds"]["gemm"]["busy_us"] == 5
+    assert summarize(*steps[1])["kinds"] == {"other": {"sum_us": 1, "busy_us": 1, "count": 1}}
