@@ -149,6 +149,33 @@ def test_merges_replay(device, monkeypatch):
     assert_state(o, lse, o_ref, lse_ref, 1e-5)
 
 
+def test_replays_allocate_fresh_outputs_like_the_recorded_ones(device, monkeypatch):
+    """A replayed call that leaves its outputs to the launcher gets new contiguous tensors
+    of the recorded dtype and shape (made from the recording's stride-0 templates), never
+    the previous call's, in and out of inference mode."""
+    indptr, indices, last = T([0, 3, 6, 8], device), T([0, 1, 2, 3, 4, 5, 6, 7], device), T([1, 4, 2], device)
+    q, cache = decode_case(device, 0)
+    v, s = torch.randn(3, 4, 2, 16, device=device), torch.randn(3, 4, 2, device=device)
+    calls = {
+        "decode": lambda: ci.batch_decode_paged(q, cache, indptr, indices, last, validate=False),
+        "merge_state": lambda: ci.merge_state(v[:, 0], s[:, 0], v[:, 1], s[:, 1], validate=False),
+        "merge_states": lambda: ci.merge_states(v, s, validate=False),
+    }
+    for name, call in calls.items():
+        first = call()
+        forbid(monkeypatch, decode_mod, "_batch_decode_paged")
+        forbid(monkeypatch, merge_mod, "merge_states_unchecked")
+        forbid(monkeypatch, merge_mod, "_merge_two")
+        for mode in (torch.inference_mode, torch.enable_grad):
+            with mode():
+                again = call()
+            for a, b in zip(first, again):
+                assert (a.dtype, a.shape, a.device) == (b.dtype, b.shape, b.device), name
+                assert b.is_contiguous() and b.data_ptr() != a.data_ptr(), name
+                torch.testing.assert_close(a, b, msg=name)  # same inputs, same answer
+        monkeypatch.undo()
+
+
 def test_merge_replay_still_checks_aliasing(device):
     """validate=True re-checks aliasing on a replayed signature: same shapes, strides and
     alignment, but the second call's out overlaps v_a by two rows."""

@@ -562,10 +562,10 @@ class MultiLevelCascadeAttention:
             launches = self._record(q, paged_kv_cache, sm_scale)
             self._launches.put(key, launches)
         if out is None:
-            out = torch.empty_like(q, memory_format=torch.contiguous_format)
+            out = launches.upper.fresh(len(cache) + 1)
         if lse is None:
             # An LSE nobody reads goes to the recording's own buffer (runs are ordered).
-            lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else launches.lse
+            lse = launches.upper.fresh(len(cache) + 2) if return_lse else launches.lse
         launches.replay((q, *cache, out, lse))
         return (out, lse) if return_lse else out
 

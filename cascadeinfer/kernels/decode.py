@@ -534,10 +534,7 @@ def batch_decode_paged(
             config=None, key=key,
         )
     # The recorded call had this signature, so every shape, dtype and device check passed.
-    if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    if lse is None:
-        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    out, lse = rec.outputs(out, lse, len(cache) + 4)
     if validate and not capturing():
         _check_page_table(unpack_paged_kv_cache(paged_kv_cache, kv_layout), kv_indptr, kv_indices, kv_last_page_len)
     rec.replay((q, *cache, kv_indptr, kv_indices, kv_last_page_len, out, lse))

@@ -100,6 +100,20 @@ class Recording:
     _root_spans: list[tuple[int, int, int]] = field(default_factory=list)  # (storage ptr, data ptr, index)
     _roots: list[torch.Tensor] = field(default_factory=list)  # while recording
     _direct: tuple | None = None  # the prepared direct launches (empty: not possible), once replayed
+    _templates: tuple[torch.Tensor, ...] = ()  # per root: a stride-0 view of its dtype, device and shape
+
+    def fresh(self, index: int) -> torch.Tensor:
+        """A new contiguous tensor of root ``index``'s recorded dtype, device and shape:
+        an output the launcher allocates for the caller. ``empty_like`` of a stride-0
+        template costs a third of ``torch.empty(shape, dtype=..., device=...)``, whose
+        keyword parsing dominates a small allocation (benchmarks/NOTES.md, "Host cost")."""
+        return torch.empty_like(self._templates[index])
+
+    def outputs(self, out: torch.Tensor | None, lse: torch.Tensor | None, index: int) -> tuple[torch.Tensor, ...]:
+        """A replayed call's ``(out, lse)``: each one given as it is (a call of the
+        recorded signature passed its checks), each None :meth:`fresh` like the recorded
+        roots ``index`` and ``index + 1``."""
+        return (self.fresh(index) if out is None else out, self.fresh(index + 1) if lse is None else lse)
 
     def replay(self, roots: Sequence[torch.Tensor], stream: int | None = None) -> None:
         """Launch the recorded kernels on ``roots`` (same signature as when recorded),
@@ -257,6 +271,19 @@ def _raw_free(ptr: int) -> None:
     torch._C._cuda_cudaCachingAllocator_raw_delete(ptr)
 
 
+_ONE: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _template(t: torch.Tensor) -> torch.Tensor:
+    """A view of one element, expanded to ``t``'s shape (no memory of its own): what
+    ``torch.empty_like`` needs to make a contiguous tensor like ``t``."""
+    key = (t.dtype, t.device)
+    one = _ONE.get(key)
+    if one is None:
+        one = _ONE[key] = torch.empty(1, dtype=t.dtype, device=t.device)
+    return one.expand(t.shape)
+
+
 def _grid3(grid: Sequence[int]) -> tuple[int, int, int]:
     g = tuple(int(x) for x in grid)
     return (g + (1, 1))[:3]
@@ -290,6 +317,7 @@ def recording(roots: Sequence[torch.Tensor], *, keep_scratch: bool = False) -> I
         yield rec
     finally:
         _RECORDING.reset(token)
+        rec._templates = tuple(_template(t) for t in roots)
         if not keep_scratch:
             rec._scratch.clear()  # replays allocate their own
         rec._root_spans.clear()

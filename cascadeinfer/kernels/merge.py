@@ -418,14 +418,12 @@ def _launch_many(v, s, indptr, out, out_lse, *, config=None, unroll=None) -> Non
 
 
 def _output(name: str, t, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, *,
-            any_float: bool = False, checked: bool = False) -> torch.Tensor:
-    """A caller's output tensor, checked (unless ``checked``: a call of the same signature
-    passed the checks already), or a fresh one of ``dtype``. With ``any_float`` a given
-    tensor may have any of FLOAT_DTYPES."""
+            any_float: bool = False) -> torch.Tensor:
+    """A caller's output tensor, checked, or a fresh one of ``dtype`` (a replayed call
+    takes :meth:`Recording.outputs` instead). With ``any_float`` a given tensor may have
+    any of FLOAT_DTYPES."""
     if t is None:
         return torch.empty(shape, dtype=dtype, device=device)
-    if checked:
-        return t
     check_tensor(name, t, dtypes=FLOAT_DTYPES if any_float else (dtype,), device=device, shape=shape)
     if len(shape) == 3:
         check_last_dim_contiguous(name, t)
@@ -531,8 +529,10 @@ def merge_state(
     if rec is None:
         _check_states(("v_a", "s_a"), v_a, s_a, 3)
         _check_states(("v_b", "s_b"), v_b, s_b, 3, shape=v_a.shape, dtype=v_a.dtype, device=v_a.device)
-    out = _output("out", out, v_a.shape, v_a.dtype, v_a.device, checked=rec is not None)
-    out_lse = _output("out_lse", out_lse, v_a.shape[:2], torch.float32, v_a.device, checked=rec is not None)
+        out = _output("out", out, v_a.shape, v_a.dtype, v_a.device)
+        out_lse = _output("out_lse", out_lse, v_a.shape[:2], torch.float32, v_a.device)
+    else:
+        out, out_lse = rec.outputs(out, out_lse, 4)
     if validate or rec is None:
         _check_aliasing((("out", out), ("out_lse", out_lse)),
                         (("v_a", v_a), ("s_a", s_a), ("v_b", v_b), ("s_b", s_b)))
@@ -627,9 +627,11 @@ def merge_states(
     rec, key = _MERGE_STATES.find((v, s, *given(out, out_lse)), (out is None, out_lse is None))
     if rec is None:
         _check_states(("v", "s"), v, s, 4)
-    shape = (v.shape[0], *v.shape[2:])
-    out = _output("out", out, shape, v.dtype, v.device, any_float=True, checked=rec is not None)
-    out_lse = _output("out_lse", out_lse, shape[:2], torch.float32, v.device, checked=rec is not None)
+        shape = (v.shape[0], *v.shape[2:])
+        out = _output("out", out, shape, v.dtype, v.device, any_float=True)
+        out_lse = _output("out_lse", out_lse, shape[:2], torch.float32, v.device)
+    else:
+        out, out_lse = rec.outputs(out, out_lse, 2)
     if validate or rec is None:
         _check_aliasing((("out", out), ("out_lse", out_lse)), (("v", v), ("s", s)), state_slices=True)
     if rec is not None:
@@ -680,9 +682,11 @@ def merge_states_ragged(
         check_int32_vector("indptr", indptr, v.device)
         if indptr.numel() == 0:
             raise ValueError("indptr: expected n + 1 >= 1 entries, got an empty tensor")
-    shape = (indptr.shape[0] - 1, *v.shape[1:])
-    out = _output("out", out, shape, v.dtype, v.device, any_float=True, checked=rec is not None)
-    out_lse = _output("out_lse", out_lse, shape[:2], torch.float32, v.device, checked=rec is not None)
+        shape = (indptr.shape[0] - 1, *v.shape[1:])
+        out = _output("out", out, shape, v.dtype, v.device, any_float=True)
+        out_lse = _output("out_lse", out_lse, shape[:2], torch.float32, v.device)
+    else:
+        out, out_lse = rec.outputs(out, out_lse, 3)
     if validate or rec is None:
         _check_aliasing((("out", out), ("out_lse", out_lse)), (("v", v), ("s", s), ("indptr", indptr)),
                         exact_ok=False)

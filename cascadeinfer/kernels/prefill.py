@@ -828,19 +828,18 @@ def _check_kv_matches_q(q: torch.Tensor, kv_name: str, dtype: torch.dtype, num_k
         )
 
 
-def _outputs(q: torch.Tensor, out: torch.Tensor | None, lse: torch.Tensor | None, *,
-             checked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """The caller's ``out``/``lse`` after checks (none when ``checked``: a call of the same
-    signature passed them), or fresh ones: o like q, lse float32 [nnz_qo, Hq]."""
+def _outputs(q: torch.Tensor, out: torch.Tensor | None, lse: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The caller's ``out``/``lse`` after checks, or fresh ones: o like q, lse float32
+    [nnz_qo, Hq] (a replayed call takes :meth:`Recording.outputs` instead)."""
     nnz_qo, num_qo_heads, _ = q.shape
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    elif not checked:
+    else:
         check_tensor("out", out, ndim=3, dtypes=(q.dtype,), device=q.device, shape=tuple(q.shape))
         check_last_dim_contiguous("out", out)
     if lse is None:
         lse = torch.empty((nnz_qo, num_qo_heads), dtype=torch.float32, device=q.device)
-    elif not checked:
+    else:
         check_tensor("lse", lse, ndim=2, dtypes=(torch.float32,), device=q.device, shape=(nnz_qo, num_qo_heads))
     return out, lse
 
@@ -924,7 +923,7 @@ def batch_prefill_paged(
         (len(cache), out is None, lse is None, causal, kv_layout, sm_scale, num_splits),
         lengthless=(len(cache) + 3,))
     if rec is not None:  # a call of this signature passed every shape check already
-        out, lse = _outputs(q, out, lse, checked=True)
+        out, lse = rec.outputs(out, lse, len(cache) + 5)
         if validate and not capturing():
             _check_paged_contents(q, qo_indptr, unpack_paged_kv_cache(paged_kv_cache, kv_layout), kv_indptr,
                                   kv_indices, kv_last_page_len)
@@ -1019,7 +1018,7 @@ def batch_prefill_ragged(
         _check_qo_indptr(qo_indptr, q.device)
         check_int32_vector("kv_indptr", kv_indptr, q.device, length=qo_indptr.shape[0])
         scale = default_sm_scale(q.shape[2], sm_scale)
-    out, lse = _outputs(q, out, lse, checked=rec is not None)
+    out, lse = _outputs(q, out, lse) if rec is None else rec.outputs(out, lse, 5)
     if validate and not capturing():
         validate_indptr("qo_indptr", qo_indptr, total=q.shape[0])
         validate_indptr("kv_indptr", kv_indptr)
@@ -1061,7 +1060,7 @@ def shared_prefix_attention(
     """
     rec, key = _SHARED.find((q, k, v, *given(out, lse)), (out is None, lse is None, sm_scale))
     if rec is not None:
-        out, lse = _outputs(q, out, lse, checked=True)
+        out, lse = rec.outputs(out, lse, 3)
         rec.replay((q, k, v, out, lse))
         return out, lse
     _check_q(q)
