@@ -349,3 +349,40 @@ def test_direct_launch_matches_tritons_launcher(monkeypatch, num_splits):
     torch.testing.assert_close(o, o_ref, atol=0, rtol=0)
     torch.testing.assert_close(lse, lse_ref, atol=0, rtol=0)
     assert_state(o, lse, *decode_reference(q2, cache2, indptr, indices, last), tol=2e-2)
+
+
+@pytest.mark.gpu
+def test_kept_scratch_serves_one_stream_and_never_a_capture():
+    """A decode with KV splits (partial states in scratch, then their merge) replayed on
+    the stream that keeps its scratch block, on a second stream (its own block), and
+    captured in a CUDA graph (the graph's own block) while eager replays run between the
+    graph's replays: every answer is its own inputs' answer."""
+    device = torch.device("cuda")
+    decode_mod._LAUNCHES.clear()
+    indptr, indices, last = T([0, 3, 6, 8], device), T([0, 1, 2, 3, 4, 5, 6, 7], device), T([1, 4, 2], device)
+
+    def call(seed):
+        q, cache = decode_case(device, seed, torch.bfloat16)
+        o, lse = ci.batch_decode_paged(q, cache, indptr, indices, last, num_splits=3, validate=False)
+        return o, lse, (q, cache)
+
+    call(0)  # records
+    o, lse, (q, cache) = call(1)  # replays, keeps a block for this stream
+    rec = next(iter(decode_mod._LAUNCHES._items.values()))
+    assert rec.scratch_bytes and rec._kept_scratch is not None
+    assert_state(o, lse, *decode_reference(q, cache, indptr, indices, last), tol=2e-2)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        o2, lse2, (q2, cache2) = call(2)
+    torch.cuda.current_stream().wait_stream(side)
+    assert_state(o2, lse2, *decode_reference(q2, cache2, indptr, indices, last), tol=2e-2)
+    q3, cache3 = decode_case(device, 3, torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o3, lse3 = ci.batch_decode_paged(q3, cache3, indptr, indices, last, num_splits=3, validate=False)
+    for seed in (4, 5):
+        graph.replay()
+        o4, lse4, (q4, cache4) = call(seed)  # eager, on the kept block, right after the graph
+        assert_state(o4, lse4, *decode_reference(q4, cache4, indptr, indices, last), tol=2e-2)
+        assert_state(o3, lse3, *decode_reference(q3, cache3, indptr, indices, last), tol=2e-2)

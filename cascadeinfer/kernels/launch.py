@@ -53,6 +53,7 @@ except ImportError:  # pragma: no cover - every supported torch has them
     _TensorGuards = None
 
 _SCRATCH_ALIGN = 256  # bytes: every scratch slice starts on the allocator's own alignment
+_KEEP_SCRATCH_BYTES = 2**20  # a recording keeps its replays' scratch up to this size (see Recording)
 
 
 @dataclass(slots=True)
@@ -101,6 +102,11 @@ class Recording:
     _roots: list[torch.Tensor] = field(default_factory=list)  # while recording
     _direct: tuple | None = None  # the prepared direct launches (empty: not possible), once replayed
     _templates: tuple[torch.Tensor, ...] = ()  # per root: a stride-0 view of its dtype, device and shape
+    # (raw stream, block): the scratch of replays on that stream, kept while it is small.
+    # Kernels on one stream run in order, so a replay there may reuse the block its last
+    # replay there used; a replay on another stream, or one being captured in a CUDA
+    # graph (whose launches run later, against the eager ones), takes its own block.
+    _kept_scratch: tuple[int, torch.Tensor] | None = None
 
     def fresh(self, index: int) -> torch.Tensor:
         """A new contiguous tensor of root ``index``'s recorded dtype, device and shape:
@@ -127,14 +133,27 @@ class Recording:
             self._replay_interpreted(roots)
 
     def _replay_cuda(self, roots, device_index: int, stream: int | None) -> None:
+        current = torch._C._cuda_getCurrentRawStream(device_index)
         if stream is None:
-            stream = torch._C._cuda_getCurrentRawStream(device_index)
-        if not self.scratch_bytes:
+            stream = current
+        if not self.scratch_bytes or self.keep_scratch:  # kept scratch sits in the argument lists
             self._launch_cuda(roots, stream, 0)
+            return
+        kept = self._kept_scratch
+        if kept is not None and kept[0] == stream and not torch._C._cuda_isCurrentStreamCapturing():
+            # This stream's last replay used this block: its kernels run before ours.
+            self._launch_cuda(roots, stream, kept[1].data_ptr())
             return
         if device_index != torch._C._cuda_getDevice():  # the raw allocator serves the current device
             scratch = torch.empty(self.scratch_bytes, dtype=torch.uint8, device=roots[0].device)
             self._launch_cuda(roots, stream, scratch.data_ptr())
+            return
+        if (kept is None and stream == current and self.scratch_bytes <= _KEEP_SCRATCH_BYTES
+                and not torch._C._cuda_isCurrentStreamCapturing()):
+            # A small block, allocated on the stream that uses it, kept for its next replays.
+            block = torch.empty(self.scratch_bytes, dtype=torch.uint8, device=roots[0].device)
+            self._kept_scratch = (stream, block)
+            self._launch_cuda(roots, stream, block.data_ptr())
             return
         # The scratch is taken from PyTorch's caching allocator on this stream and given
         # back once the kernels are enqueued, as a temporary tensor would be (stream-ordered

@@ -1,0 +1,77 @@
+"""Which share of the SMs should the prefix level take while the decode level runs beside it?
+
+    python -m benchmarks.tools.tune_prefix_share [--shapes B,P,S ...] [--shares 0.2 0.4 ...] [--json PATH]
+
+The cascade runs the suffix decode on a side stream while the shared-prefix level, its
+grid sized to a share of the SMs (``cascade.cost.prefix_sm_fraction``), runs on the
+caller's. For each shape (default: the engine's decode batch, 256 requests over a
+4096-token shared prompt with 144, 256 and 384 tokens of their own) this times the
+public two-level ``run`` (CUDA-graph replays over pools rotated past L2) with the share
+forced to each value, with the planner's own share, and on one stream; each level alone
+beside them (the public launchers on that level's table), and the floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from unittest import mock
+
+import torch
+
+from benchmarks._common import environment, markdown_table, measure_ceilings, roofline_floor, write_json
+from benchmarks.bench_cascade import DTYPE, MIN_POOL_BYTES, PAGE, Shape, Workload, make_timer, ours
+from cascadeinfer import batch_decode_paged, batch_prefill_paged
+from cascadeinfer.cascade import plan as plan_mod
+
+ENGINE_SHAPES = ("256,4096,144", "256,4096,256", "256,4096,384")
+SHARES = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.85, 1.0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", nargs="*", default=list(ENGINE_SHAPES), help="batch,prefix,suffix triples")
+    ap.add_argument("--shares", nargs="*", type=float, default=list(SHARES))
+    ap.add_argument("--rep-ms", type=int, default=100)
+    ap.add_argument("--json", metavar="PATH")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("tune_prefix_share needs a CUDA device")
+    device = torch.device("cuda", torch.cuda.current_device())
+    print("#", environment(), flush=True)
+    copy_bw, mm_rate = measure_ceilings()
+    timer = make_timer(device, args.rep_ms)
+    rows = []
+    for text in args.shapes:
+        s = Shape(*map(int, text.split(",")))
+        wl = Workload(s, device, seed=5, min_pool_bytes=MIN_POOL_BYTES, max_rot=16)
+        outs, lses = wl.out_buffers()
+        row = {"shape": text, "floor us": roofline_floor(s.io_bytes, s.flops, copy_bw, mm_rate) * 1e6}
+        row["prefix alone us"] = timer([lambda i=i: batch_prefill_paged(
+            wl.qs[i], wl.qo_indptr[0], wl.pools[i], wl.kv_indptr[0], wl.kv_indices[0], wl.kv_last[0],
+            out=outs[i], lse=lses[i], validate=False) for i in range(wl.rot)]) * 1e6
+        row["decode alone us"] = timer([lambda i=i: batch_decode_paged(
+            wl.qs[i], wl.pools[i], wl.kv_indptr[1], wl.kv_indices[1], wl.kv_last[1],
+            out=outs[i], lse=lses[i], validate=False) for i in range(wl.rot)]) * 1e6
+        seen, real = [], plan_mod.prefix_sm_fraction
+        with mock.patch.object(plan_mod, "prefix_sm_fraction", lambda a, b: seen.append(real(a, b)) or seen[-1]):
+            planner = ours(wl, True)
+        row["planner share"] = round(seen[-1], 3) if seen else None
+        row["planner us"] = timer([planner.call(i) for i in range(wl.rot)]) * 1e6
+        with mock.patch.object(plan_mod, "side_stream_runs", lambda *a, **k: False):
+            one = ours(wl, True)
+        row["one stream us"] = timer([one.call(i) for i in range(wl.rot)]) * 1e6
+        for share in args.shares:
+            with mock.patch.object(plan_mod, "prefix_sm_fraction", lambda *a, share=share: share):
+                m = ours(wl, True)
+            row[f"share {share}"] = timer([m.call(i) for i in range(wl.rot)]) * 1e6
+        rows.append(row)
+        print(markdown_table([row], list(row)), flush=True)
+        del wl
+        torch.cuda.empty_cache()
+    write_json(args.json, {"environment": environment(), "copy_bytes_per_s": copy_bw, "matmul_flop_per_s": mm_rate,
+                           "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
