@@ -41,6 +41,7 @@ from benchmarks._common import (
     roofline_floor,
     write_json,
 )
+from benchmarks.fixtures import DTYPE, HKV, HQ, PAGE, D, fi_wrapper, io_bytes, kv_bytes, new_pool, page_table
 from cascadeinfer.kernels import decode as decode_mod
 from cascadeinfer.kernels.decode import (
     DECODE_VARIANTS,
@@ -51,8 +52,6 @@ from cascadeinfer.kernels.decode import (
 from cascadeinfer.kernels.reference import attention_state_ref
 from cascadeinfer.layouts.paged_cache import gather_paged_kv, unpack_paged_kv_cache
 
-HQ, HKV, D, PAGE = 32, 8, 128, 16
-DTYPE = torch.bfloat16
 BATCHES = (1, 16, 64, 256)
 CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 # Batches between waves of the per-request plan, and variable lengths: (label, lengths).
@@ -68,32 +67,6 @@ QUICK_SHAPES = ((1, 16384), (16, 4096), (16, 32768), (64, 4096), (256, 4096))
 QUICK_EXTRA = ("17x8K", "1x64K+63x1K")
 LN2 = math.log(2.0)
 REP_MS = 200  # do_bench_cudagraph's rep per timing (--rep-ms)
-
-
-def kv_bytes(batch: int, ctx: int) -> int:
-    """K and V bytes of ``batch`` requests of ``ctx`` tokens (``ctx``: their total / batch)."""
-    return batch * ctx * HKV * D * 2 * DTYPE.itemsize
-
-
-def io_bytes(batch: int, ctx: int) -> int:
-    """Bytes one call must move: K and V of every token, q in, o and lse out."""
-    return kv_bytes(batch, ctx) + 2 * batch * HQ * D * DTYPE.itemsize + batch * HQ * 4
-
-
-def page_table(batch: int, lens: list[int], num_pages: int, device, seed: int = 0):
-    """CSR page table with each request's pages randomly permuted over the pool."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    npages = [(n + PAGE - 1) // PAGE for n in lens]
-    indices = torch.randperm(num_pages, generator=g)[: sum(npages)].to(device, torch.int32)
-    indptr = torch.tensor([0, *torch.tensor(npages).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    last = torch.tensor([n - (p - 1) * PAGE if p else 0 for n, p in zip(lens, npages)],
-                        dtype=torch.int32, device=device)
-    return indptr, indices, last
-
-
-def new_pool(num_pages: int, device, layout: str = "NHD") -> torch.Tensor:
-    shape = (num_pages, 2, PAGE, HKV, D) if layout == "NHD" else (num_pages, 2, HKV, PAGE, D)
-    return torch.empty(shape, dtype=DTYPE, device=device).normal_()
 
 
 # --------------------------------------------------------------------------- correctness
@@ -145,14 +118,6 @@ def check_correctness(fi, device: str = "cuda", lens: tuple[int, ...] = (0, 1, 1
 
 
 # --------------------------------------------------------------------------- peers
-
-
-def fi_wrapper(fi, indptr, indices, last, workspace=None):
-    if workspace is None:
-        workspace = torch.zeros(256 * 2**20, dtype=torch.uint8, device=indptr.device)
-    w = fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
-    w.plan(indptr, indices, last, HQ, HKV, D, PAGE, q_data_type=DTYPE, kv_data_type=DTYPE)
-    return w
 
 
 # --------------------------------------------------------------------------- timing

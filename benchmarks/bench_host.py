@@ -43,7 +43,7 @@ import torch
 import triton
 
 from benchmarks._common import environment, load_flashinfer, markdown_table
-from benchmarks.bench_cascade import (
+from benchmarks.fixtures import (
     BAR_SHAPES,
     DTYPE,
     MAX_ROTATIONS,

@@ -39,7 +39,7 @@ from benchmarks._common import (
     roofline_floor,
     write_json,
 )
-from benchmarks.bench_decode import DTYPE, HKV, HQ, PAGE, D, new_pool, page_table  # one shape, one pool layout
+from benchmarks.fixtures import DTYPE, HKV, HQ, PAGE, D, new_pool, page_table  # one shape, one pool layout
 from cascadeinfer.kernels import prefill as P
 from cascadeinfer.kernels.prefill import batch_prefill_paged
 from cascadeinfer.kernels.reference import attention_state_ref

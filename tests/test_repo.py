@@ -49,3 +49,23 @@ def test_the_repository_speaks_of_the_product_only():
     offenders += [str(p.relative_to(ROOT)) for p in ROOT.glob("benchmarks/results/*")
                   if re.search(r"_s\d+(_|\.)|_run\d", p.name)]
     assert not offenders, "\n".join(offenders)
+
+
+def test_benchmarks_import_and_share_fixtures_only():
+    """Every benchmark and tool imports on a CPU (their GPU work starts in main()), and a
+    benchmark takes what it shares from ``benchmarks._common`` and ``benchmarks.fixtures``,
+    never from another benchmark."""
+    import ast  # noqa: PLC0415
+    import importlib  # noqa: PLC0415
+
+    offenders = []
+    for path in sorted([*ROOT.glob("benchmarks/*.py"), *ROOT.glob("benchmarks/tools/*.py")]):
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        importlib.import_module(module)
+        if path.parent.name != "benchmarks":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("benchmarks.") \
+                    and node.module not in ("benchmarks._common", "benchmarks.fixtures"):
+                offenders.append(f"{path.name} imports {node.module}")
+    assert not offenders, offenders

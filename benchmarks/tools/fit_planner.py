@@ -29,7 +29,6 @@ cost.py's defaults are reported beside it with their own neighbours. Changing
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 import time

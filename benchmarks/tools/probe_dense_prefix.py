@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks._common import bench_rotating, environment, markdown_table, measure_ceilings, write_json
-from benchmarks.bench_cascade import MIN_POOL_BYTES, Shape, Workload
+from benchmarks.fixtures import MIN_POOL_BYTES, Shape, Workload
 from benchmarks.tools.probe_interference import sampled_clocks
 from benchmarks.tools.tune_overlap import two_streams
 from cascadeinfer.kernels.decode import batch_decode_paged

@@ -22,7 +22,7 @@ import sys
 import torch
 
 from benchmarks._common import environment, markdown_table
-from benchmarks.bench_cascade import MIN_POOL_BYTES, Shape, Workload
+from benchmarks.fixtures import MIN_POOL_BYTES, Shape, Workload
 from benchmarks.bench_host import HOST_SHAPES, host_us
 from cascadeinfer import batch_decode_paged
 from cascadeinfer.kernels import decode as decode_mod

@@ -35,7 +35,7 @@ import torch
 
 from benchmarks._common import (
     bench_rotating, environment, load_flashinfer, markdown_table, measure_ceilings, write_json)
-from benchmarks.bench_cascade import BAR_SHAPES, DTYPE, MIN_POOL_BYTES, PAGE, Shape, Workload, fi_cascade
+from benchmarks.fixtures import BAR_SHAPES, DTYPE, MIN_POOL_BYTES, PAGE, Shape, Workload, fi_cascade
 from benchmarks.tools.timeline import kernel_timeline
 from benchmarks.tools.tune_overlap import two_streams
 from cascadeinfer.cascade.multi_level import MultiLevelCascadeAttention

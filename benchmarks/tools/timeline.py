@@ -25,7 +25,7 @@ import time
 import torch
 
 from benchmarks._common import environment, markdown_table, write_json
-from benchmarks.bench_cascade import BAR_SHAPES, DTYPE, MIN_POOL_BYTES, PAGE, Shape, Workload
+from benchmarks.fixtures import BAR_SHAPES, DTYPE, MIN_POOL_BYTES, PAGE, Shape, Workload
 from benchmarks.tools.tune_overlap import one_merge, two_streams
 from cascadeinfer.cascade.multi_level import MultiLevelCascadeAttention
 

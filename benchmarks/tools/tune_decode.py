@@ -32,7 +32,7 @@ import time
 import torch
 
 from benchmarks._common import L2_BYTES, environment, load_flashinfer, markdown_table, write_json
-from benchmarks.bench_decode import DTYPE, HKV, HQ, PAGE, D, fi_wrapper, io_bytes, kv_bytes, new_pool, page_table
+from benchmarks.fixtures import DTYPE, HKV, HQ, PAGE, D, fi_wrapper, io_bytes, kv_bytes, new_pool, page_table
 from cascadeinfer.kernels import decode as decode_mod
 from cascadeinfer.kernels.decode import DECODE_VARIANTS, DecodeConfig
 from cascadeinfer.kernels.reference import attention_state_ref

@@ -26,7 +26,7 @@ import sys
 import torch
 
 from benchmarks._common import bench_rotating, environment, markdown_table, measure_ceilings, roofline_floor, write_json
-from benchmarks.bench_cascade import BAR_SHAPES, DTYPE, MIN_POOL_BYTES, PAGE, Shape, Workload
+from benchmarks.fixtures import BAR_SHAPES, DTYPE, MIN_POOL_BYTES, PAGE, Shape, Workload
 from cascadeinfer.cascade.multi_level import MultiLevelCascadeAttention
 from cascadeinfer.kernels import prefill as P
 from cascadeinfer.kernels.decode import BALANCED_VARIANTS, _batch_decode_paged, batch_decode_paged

@@ -171,7 +171,7 @@ def sass_report(variants) -> list[dict]:
 
 def splits_for(mod, var: Variant, n: int, length: int, dev) -> int:
     cfg = var.cfg or mod.default_tile_config(128, torch.bfloat16)
-    from benchmarks.bench_decode import HKV, HQ, PAGE  # noqa: PLC0415
+    from benchmarks.fixtures import HKV, HQ, PAGE  # noqa: PLC0415
 
     tiles = mod.num_m_tiles(n, 1, HQ // HKV, cfg.block_m)
     base = mod.default_num_splits(tiles, HKV, -(-length // PAGE) * PAGE, dev)
@@ -179,7 +179,7 @@ def splits_for(mod, var: Variant, n: int, length: int, dev) -> int:
 
 
 def runner(mod, var: Variant, q, qo, pool, indptr, indices, last, out, lse, splits):
-    from benchmarks.bench_decode import D  # noqa: PLC0415
+    from benchmarks.fixtures import D  # noqa: PLC0415
     from cascadeinfer.layouts.paged_cache import unpack_paged_kv_cache  # noqa: PLC0415
 
     cfg = var.cfg or mod.default_tile_config(D, q.dtype)
@@ -190,7 +190,7 @@ def runner(mod, var: Variant, q, qo, pool, indptr, indices, last, out, lse, spli
 
 def check_variants(mods, variants, dev, shapes=((77, 3001), (300, 20011))) -> None:
     """Every variant (default and forced split counts) against float64 on the GPU."""
-    from benchmarks.bench_decode import HQ, PAGE, new_pool, page_table  # noqa: PLC0415
+    from benchmarks.fixtures import HQ, PAGE, new_pool, page_table  # noqa: PLC0415
     from cascadeinfer.kernels.reference import attention_state_ref  # noqa: PLC0415
     from cascadeinfer.layouts.paged_cache import gather_paged_kv, unpack_paged_kv_cache  # noqa: PLC0415
 

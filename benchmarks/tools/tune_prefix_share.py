@@ -20,7 +20,7 @@ from unittest import mock
 import torch
 
 from benchmarks._common import environment, markdown_table, measure_ceilings, roofline_floor, write_json
-from benchmarks.bench_cascade import DTYPE, MIN_POOL_BYTES, PAGE, Shape, Workload, make_timer, ours
+from benchmarks.fixtures import MIN_POOL_BYTES, Shape, Workload, make_timer, ours
 from cascadeinfer import batch_decode_paged, batch_prefill_paged
 from cascadeinfer.cascade import plan as plan_mod
 
