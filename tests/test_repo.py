@@ -48,6 +48,9 @@ def test_the_repository_speaks_of_the_product_only():
                 offenders.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()[:80]}")
     offenders += [str(p.relative_to(ROOT)) for p in ROOT.glob("benchmarks/results/*")
                   if re.search(r"_s\d+(_|\.)|_run\d", p.name)]
+    # Results are named by what they measure, the device and the date of the run.
+    offenders += [f"{p.relative_to(ROOT)}: no device and date in the name" for p in ROOT.glob("benchmarks/results/*")
+                  if not re.search(r"_(\dx)?h[12]00_20\d\d-\d\d-\d\d", p.name)]
     assert not offenders, "\n".join(offenders)
 
 

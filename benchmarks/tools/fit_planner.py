@@ -6,11 +6,11 @@ Data (2-level shared-prefix batch decode: one prefix of ``prefix`` tokens for al
 requests, then each request's ``suffix`` tokens; bf16, page 16), measured cascade and flat
 times of each shape:
 
-* benchmarks/results/planner_check_h100_2026-11-21_cascade_v7.json: the 176 grid shapes and the 20 bar +
+* benchmarks/results/planner_check_h100_2026-11-21.json: the 176 grid shapes and the 20 bar +
   generality shapes, H100 (cascade v7 kernels and schedule);
-* benchmarks/results/planner_fit_rows.json: the 72 H200 shapes of the v2 fit.
+* benchmarks/results/planner_fit_h200_2026-11-21.json: the 72 H200 shapes of the v2 fit.
 
-The cascade-v4 H100 runs (``planner_fit_h100_grid.json``, ``planner_fit_h100_bar.json``,
+The cascade-v4 H100 runs (``planner_fit_grid_h100_2026-11-21.json``, ``planner_fit_bar_h100_2026-11-21.json``,
 kernels before v7) are read only for a first check: the v2 model (old constants, the
 side-stream gain wherever :func:`overlaps` holds) reproduces their predictions
 (``pred_cascade_us``, ``pred_flat_us``) to 1e-6 relative, i.e. each shape's LevelShapes
@@ -60,7 +60,7 @@ GRID = dict(  # searched constants (the rest keep DeviceModel's defaults)
 def load_v2_check() -> list[dict]:
     """The cascade-v4 H100 rows with the v2 planner's predictions (the rebuild check only)."""
     rows = []
-    for name in ("planner_fit_h100_grid.json", "planner_fit_h100_bar.json"):
+    for name in ("planner_fit_grid_h100_2026-11-21.json", "planner_fit_bar_h100_2026-11-21.json"):
         for r in json.loads((RESULTS / name).read_text())["rows"]:
             rows.append(dict(device="H100", batch=r["batch"], prefix=r["prefix"], suffix=r["suffix"], hq=r["hq"],
                              hkv=r["hkv"], d=r["head_dim"], cascade=r["cascade_us"], flat=r["flat_us"],
@@ -70,10 +70,10 @@ def load_v2_check() -> list[dict]:
 
 def load() -> list[dict]:
     """The rows the constants are fitted on: today's H100 kernels, and the H200 rows."""
-    s5 = json.loads((RESULTS / "planner_check_h100_2026-11-21_cascade_v7.json").read_text())
+    s5 = json.loads((RESULTS / "planner_check_h100_2026-11-21.json").read_text())
     keys = ("device", "batch", "prefix", "suffix", "hq", "hkv", "d", "cascade", "flat")
     rows = [dict({k: r[k] for k in keys}, pred=None) for r in s5["grid"] + s5["bar"]]
-    for r in json.loads((RESULTS / "planner_fit_rows.json").read_text()):
+    for r in json.loads((RESULTS / "planner_fit_h200_2026-11-21.json").read_text()):
         rows.append(dict(device="H200", batch=r["batch"], prefix=r["prefix"], suffix=r["suffix"], hq=r["hq"],
                          hkv=r["hkv"], d=r["d"], cascade=r["cascade"], flat=r["flat"], pred=None))
     return rows
