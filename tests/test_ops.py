@@ -111,8 +111,13 @@ def test_torch_path_unchecked_tables_raise_never_write(monkeypatch):
     from cascadeinfer.kernels import append as append_mod
     from cascadeinfer.kernels import decode as decode_mod
 
+    from cascadeinfer.kernels.launch import LaunchCache
+
     for mod in (append_mod, decode_mod):
         monkeypatch.setattr(mod, "use_triton", lambda dev: False)
+        # A recording of the same signature from an earlier test of this process would
+        # replay the kernels (under the interpreter) instead of taking the PyTorch path.
+        monkeypatch.setattr(mod, "_LAUNCHES", LaunchCache())
     q, cache, kv_indptr, kv_indices, kv_last = small_batch("cpu", dtype=torch.float32)
     k_new = torch.randn(2, 2, 16)
     rows, pos = torch.tensor([0, 1], **I32), torch.tensor([6, 3], **I32)

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from cascadeinfer.layouts.paged_cache import unpack_paged_kv_cache
-from cascadeinfer.layouts.pool import OutOfPagesError, PagedKVPool, copy_pages
+from cascadeinfer.kernels.copy_pages import copy_pages, copy_pages_unchecked
+from cascadeinfer.layouts.pool import OutOfPagesError, PagedKVPool, copy_pages_torch
 
 DEVICE = (torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu"))
 
@@ -135,6 +136,33 @@ def test_copy_on_write_duplicates_in_list(device):
     new = pool.copy_on_write([p, p])  # two references held by this caller: one copy is enough
     assert new[1] == p and new[0] != p
     assert pool.refcount(p) == 1 and pool.refcount(new[0]) == 1
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_copy_on_write_through_the_kernel_copy(device, layout):
+    """A pool given the Triton page copy (as the engine builds it) copies what the
+    default torch copy copies, bit for bit, in every layer, K and V."""
+    pools = [PagedKVPool(3, 8, 2, 2, 8, dtype=torch.bfloat16, device=device, kv_layout=layout, copy_pages=fn)
+             for fn in (None, copy_pages_unchecked)]
+    fill = torch.randn(pools[0].cache.shape, generator=torch.Generator().manual_seed(3)).to(device, torch.bfloat16)
+    news = []
+    for pool in pools:
+        pool.cache.copy_(fill)
+        a = pool.allocate(4)
+        pool.fork(a[1:])
+        news.append(pool.copy_on_write(a))
+    assert news[0] == news[1]
+    assert torch.equal(pools[0].cache, pools[1].cache)
+    assert not torch.equal(pools[0].cache, fill)  # copies happened
+
+
+def test_layouts_default_copy_matches_the_launcher(device):
+    cache = torch.randn(2, 6, 2, 3, 2, 5, device=device)
+    src, dst = (torch.tensor(x, dtype=torch.int32, device=device) for x in ([1, 3, 5], [4, 0, 2]))
+    a, b = cache.clone(), cache.clone()
+    copy_pages_torch(a, src, dst)
+    copy_pages(b, src, dst)
+    assert torch.equal(a, b)
 
 
 def test_copy_pages_torch_path_matches(monkeypatch):

@@ -72,3 +72,19 @@ def test_benchmarks_import_and_share_fixtures_only():
                     and node.module not in ("benchmarks._common", "benchmarks.fixtures"):
                 offenders.append(f"{path.name} imports {node.module}")
     assert not offenders, offenders
+
+
+def test_layouts_are_plain_torch():
+    """``cascadeinfer.layouts`` (caches, page tables, the pool) imports no Triton: kernels
+    live in ``cascadeinfer.kernels``, and data flows layouts <- kernels <- cascade <- engine."""
+    import ast  # noqa: PLC0415
+
+    offenders = []
+    for path in ROOT.glob("cascadeinfer/layouts/*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            offenders += [f"{path.name}: {n}" for n in names
+                          if n.split(".")[0] == "triton" or n.startswith(("cascadeinfer.kernels", "cascadeinfer.cascade",
+                                                                          "cascadeinfer.engine"))]
+    assert not offenders, offenders

@@ -646,7 +646,7 @@ def _parse_modes(text: str) -> list[str]:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from cascadeinfer.engine.cli import _engine_kwargs  # noqa: PLC0415
+    from cascadeinfer.engine.cli import engine_kwargs  # noqa: PLC0415
     from cascadeinfer.engine.llm import LLM  # noqa: PLC0415
     from cascadeinfer.engine.model_loader import preset  # noqa: PLC0415
 
@@ -660,7 +660,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise SystemExit(f"--{str(exc).replace('_', '-')}") from None
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         raise SystemExit(f"--json: the directory of {args.json!r} does not exist")
-    kwargs = _engine_kwargs(args)
+    kwargs = engine_kwargs(args)
     device = torch.device(kwargs.pop("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = kwargs.pop("dtype")
     dtype = parse_dtype(dtype if dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32"))

@@ -48,7 +48,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--swap-space", type=float, default=4.0, help="GiB of host memory for swapped pages")
 
 
-def _engine_kwargs(args: argparse.Namespace) -> dict:
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The `LLM` keyword arguments the command line's engine options give (generate and bench)."""
     return dict(
         dtype=args.dtype, device=args.device, page_size=args.page_size, num_pages=args.num_pages,
         gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
@@ -149,7 +150,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except (TypeError, ValueError) as exc:
         raise SystemExit(f"error: {exc}") from None
     try:
-        llm = LLM(args.model, **_engine_kwargs(args))
+        llm = LLM(args.model, **engine_kwargs(args))
         if args.chat:
             prompts = [llm.chat_prompt([{"role": "user", "content": p}]) for p in prompts]
         stream = llm.stream(prompts, params)

@@ -30,6 +30,7 @@ from cascadeinfer.engine.sampling import SamplingParams, sample, sample_seed
 from cascadeinfer.engine.scheduler import ScheduledBatch, Scheduler
 from cascadeinfer.engine.sequence import Sequence
 from cascadeinfer.engine.swap import SwapPolicy, SwapSpace
+from cascadeinfer.kernels.copy_pages import copy_pages_unchecked
 from cascadeinfer.layouts.pool import PagedKVPool
 
 Prompt = str | Seq[int]
@@ -197,7 +198,8 @@ class LLM:
                 raise SystemExit(0)
             self._workers = Workers(cfg.tensor_parallel_size, cfg.device, build, launched=self._launched)
         self.pool = PagedKVPool(mc.num_layers, num_pages, cfg.page_size, mc.num_kv_heads // cfg.tensor_parallel_size,
-                                mc.head_dim, dtype=cfg.dtype, device=cfg.device, kv_layout=cfg.kv_layout)
+                                mc.head_dim, dtype=cfg.dtype, device=cfg.device, kv_layout=cfg.kv_layout,
+                                copy_pages=copy_pages_unchecked)
         if self._workers is not None:
             self.pool.copy_log = []
         self.cache = PrefixCache(self.pool, enabled=cfg.enable_prefix_caching)

@@ -277,6 +277,7 @@ def serve(rank: int, size: int, device: torch.device, build: dict, model=None) -
     from cascadeinfer.engine.config import EngineConfig  # noqa: PLC0415
     from cascadeinfer.engine.llama import LlamaForCausalLM, TensorParallel  # noqa: PLC0415
     from cascadeinfer.engine.model_runner import ModelRunner  # noqa: PLC0415
+    from cascadeinfer.kernels.copy_pages import copy_pages_unchecked  # noqa: PLC0415
     from cascadeinfer.layouts.pool import PagedKVPool  # noqa: PLC0415
 
     control = control_group(device)  # first: rank 0 makes it as it starts the workers
@@ -291,7 +292,7 @@ def serve(rank: int, size: int, device: torch.device, build: dict, model=None) -
         else:
             model.init_random_(*build["random"])
     pool = PagedKVPool(mc.num_layers, build["num_pages"], config.page_size, mc.num_kv_heads // size, mc.head_dim,
-                       dtype=config.dtype, device=device, kv_layout=config.kv_layout)
+                       dtype=config.dtype, device=device, kv_layout=config.kv_layout, copy_pages=copy_pages_unchecked)
     runner = ModelRunner(model, pool, config)
     try:
         _serve_steps(runner, pool, device, control)
@@ -301,7 +302,7 @@ def serve(rank: int, size: int, device: torch.device, build: dict, model=None) -
 
 
 def _serve_steps(runner, pool, device: torch.device, control) -> None:
-    from cascadeinfer.layouts.pool import copy_pages  # noqa: PLC0415
+    from cascadeinfer.kernels.copy_pages import copy_pages_unchecked  # noqa: PLC0415
 
     rows = RowReceiver()
     previous = None
@@ -321,7 +322,7 @@ def _serve_steps(runner, pool, device: torch.device, control) -> None:
         if message.copies:
             src, dst = zip(*message.copies)
             idx = torch.tensor([src, dst], dtype=torch.int32).to(device)
-            copy_pages(pool.cache, idx[0], idx[1], validate=False)
+            copy_pages_unchecked(pool.cache, idx[0], idx[1])
         runner.execute(rows.batch(message), previous if message.from_previous else None)
 
 

@@ -6,6 +6,7 @@ size work ahead of a launch: :func:`decode_num_splits`, :func:`pick_decode_sched
 """
 
 from cascadeinfer.kernels.append import append_paged_kv_cache
+from cascadeinfer.kernels.copy_pages import copy_pages
 from cascadeinfer.kernels.decode import batch_decode_paged, decode_num_splits, pick_decode_schedule
 from cascadeinfer.kernels.merge import merge_state, merge_state_in_place, merge_states, merge_states_ragged
 from cascadeinfer.kernels.prefill import (
@@ -21,6 +22,7 @@ __all__ = [
     "batch_decode_paged",
     "batch_prefill_paged",
     "batch_prefill_ragged",
+    "copy_pages",
     "decode_num_splits",
     "groups_tile_config",
     "merge_state",

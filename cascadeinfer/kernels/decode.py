@@ -64,6 +64,7 @@ from cascadeinfer._checks import (
 from cascadeinfer.kernels import decode_balanced as balanced
 from cascadeinfer.kernels import merge as merge_mod
 from cascadeinfer.kernels.decode_balanced import attend_tile
+from cascadeinfer.kernels.constants import LOG2E
 from cascadeinfer.kernels.launch import LaunchCache, given, launch, recorded, scratch
 from cascadeinfer.layouts.indptr import host_array
 from cascadeinfer.layouts.page_table import check_pages_in_pool, validate_page_table
@@ -75,7 +76,6 @@ from cascadeinfer.layouts.paged_cache import (
     unpack_paged_kv_cache,
 )
 
-LOG2E = 1.4426950408889634  # log2(e): natural-log scores -> base-2 scores
 
 
 @triton.jit

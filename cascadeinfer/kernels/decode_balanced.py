@@ -52,12 +52,11 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from cascadeinfer._checks import next_power_of_2
+from cascadeinfer.kernels.constants import KERNEL_LN2, KERNEL_LOG2E
 from cascadeinfer.kernels.launch import launch, scratch
 from cascadeinfer.kernels.merge import finish_state
 from cascadeinfer.layouts.paged_cache import PagedKV
 
-_LOG2E = tl.constexpr(1.4426950408889634)  # log2(e), inside kernels
-_LN2 = tl.constexpr(0.6931471805599453)  # ln(2): base-2 LSE -> natural-log LSE (used in the kernels)
 
 
 @triton.jit
@@ -359,8 +358,8 @@ def _balanced_merge_kernel(
             m_new = tl.maximum(m, tl.max(s, 0))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all empty so far: never -inf - -inf
             # Base change: natural-log differences times log2(e), then exp2.
-            alpha = tl.exp2((m - m_safe) * _LOG2E)
-            w = tl.exp2((s - m_safe[None, :]) * _LOG2E)
+            alpha = tl.exp2((m - m_safe) * KERNEL_LOG2E)
+            w = tl.exp2((s - m_safe[None, :]) * KERNEL_LOG2E)
             l = l * alpha + tl.sum(w, 0)
             # An empty slot contributes exactly zero, whatever it holds; any other slot's
             # NaN stays, even at a weight that underflows to 0 (0 * NaN = NaN).
@@ -373,7 +372,7 @@ def _balanced_merge_kernel(
         empty = l == 0.0
         l_safe = tl.where(empty, 1.0, l)
         o = acc / l_safe[:, None]
-        lse = tl.where(empty, float("-inf"), m + tl.log2(l_safe) * _LN2)  # back to natural log
+        lse = tl.where(empty, float("-inf"), m + tl.log2(l_safe) * KERNEL_LN2)  # back to natural log
         req64 = req.to(tl.int64)
         tl.store(o_ptr + (req64 * stride_ob + heads64 * stride_oh)[:, None] + offs_d[None, :],
                  o.to(o_ptr.dtype.element_ty), mask=tile_ok)

@@ -62,13 +62,12 @@ from cascadeinfer._checks import (
     next_power_of_2,
     use_triton,
 )
+from cascadeinfer.kernels.constants import KERNEL_LN2, KERNEL_LOG2E
 from cascadeinfer.kernels.launch import LaunchCache, given, launch, recorded
 
 # Recordings of the public merges' calls, by signature (see cascadeinfer.kernels.launch).
 _MERGE_STATE, _MERGE_IN_PLACE, _MERGE_STATES, _MERGE_RAGGED = (LaunchCache() for _ in range(4))
 
-_LOG2E = tl.constexpr(math.log2(math.e))  # natural log -> log2: multiply by log2(e)
-_LN2 = tl.constexpr(math.log(2.0))  # log2 -> natural log: multiply by ln(2)
 
 
 # ----------------------------------------------------------------------------------
@@ -92,7 +91,7 @@ def finish_state(acc, l, m, has_keys):
     """
     l_safe = tl.where(l == 0.0, 1.0, l)  # 0: every score was -inf (then m = -inf too); NaN stays NaN
     o = acc / l_safe[:, None]
-    lse = (m + tl.log2(l_safe)) * _LN2  # base change: log2 units -> natural log
+    lse = (m + tl.log2(l_safe)) * KERNEL_LN2  # base change: log2 units -> natural log
     finite = (tl.min((tl.abs(o) < float("inf")).to(tl.int32), 1) > 0) & (lse == lse)  # NaN fails both compares
     lse = tl.where(finite, lse, float("nan"))
     lse = tl.where(has_keys, lse, float("-inf"))
@@ -153,15 +152,15 @@ def _merge_two_kernel(
     m_safe = tl.where(m == float("-inf"), 0.0, m)  # both empty: never -inf - -inf
     # Base change: natural-log differences (small, so large LSEs keep their precision)
     # times log2(e), then exp2.
-    e_a = tl.exp2((s_a - m_safe) * _LOG2E)
-    e_b = tl.exp2((s_b - m_safe) * _LOG2E)
+    e_a = tl.exp2((s_a - m_safe) * KERNEL_LOG2E)
+    e_b = tl.exp2((s_b - m_safe) * KERNEL_LOG2E)
     denom = e_a + e_b  # in [1, 2], or 0 when both are empty
     denom = tl.where(denom > 0, denom, 1.0)
     # correctly rounded division: merging with an empty state gives weight exactly 1
     w_a = tl.div_rn(e_a, denom)[:, None]
     w_b = tl.div_rn(e_b, denom)[:, None]
     # Back to natural log: log2 of the denominator times ln(2).
-    lse = tl.where(m == float("-inf"), float("-inf"), m + tl.log2(denom) * _LN2)
+    lse = tl.where(m == float("-inf"), float("-inf"), m + tl.log2(denom) * KERNEL_LN2)
     lse = tl.where(bad, float("nan"), lse)
     empty_a = (s_a == float("-inf"))[:, None]
     empty_b = (s_b == float("-inf"))[:, None]
@@ -188,7 +187,7 @@ def _add_states(acc, v, s, m_safe, log2_l):
     acc: [BLOCK_H, BLOCK_D] fp32; v: [UNROLL, BLOCK_H, BLOCK_D] fp32; s: [UNROLL, BLOCK_H]
     natural log; m_safe, log2_l: [BLOCK_H] from pass 1."""
     # Base change: the natural-log difference times log2(e); log2_l is already base 2.
-    w = tl.exp2((s - m_safe[None, :]) * _LOG2E - log2_l[None, :])[:, :, None]
+    w = tl.exp2((s - m_safe[None, :]) * KERNEL_LOG2E - log2_l[None, :])[:, :, None]
     # An empty state (and a slot past the row's count, loaded as -inf) contributes exactly
     # zero, whatever its v holds; any other state's NaN or inf stays, even where its weight
     # underflows to 0 (0 * NaN = NaN), as in the float64 reference.
@@ -260,13 +259,13 @@ def _merge_many_kernel(
         m_new = tl.maximum(m, tl.max(s, axis=0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all empty so far: never -inf - -inf
         # Base change: natural-log differences times log2(e), then exp2.
-        l = l * tl.exp2((m - m_safe) * _LOG2E) + tl.sum(tl.exp2((s - m_safe[None, :]) * _LOG2E), axis=0)
+        l = l * tl.exp2((m - m_safe) * KERNEL_LOG2E) + tl.sum(tl.exp2((s - m_safe[None, :]) * KERNEL_LOG2E), axis=0)
         m = m_new
     is_bad = bad > 0
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     log2_l = tl.log2(tl.where(l > 0, l, 1.0))  # 0 for empty rows
     # Back to natural log for the boundary: log2(l) times ln(2).
-    lse = tl.where(m == float("-inf"), float("-inf"), m + log2_l * _LN2)
+    lse = tl.where(m == float("-inf"), float("-inf"), m + log2_l * KERNEL_LN2)
     lse = tl.where(is_bad, float("nan"), lse)
 
     # Pass 2: acc = sum_j w_j v_j with final weights, UNROLL states per tile (states past

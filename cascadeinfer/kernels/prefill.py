@@ -77,6 +77,7 @@ from cascadeinfer._checks import (
     same_device,
     use_triton,
 )
+from cascadeinfer.kernels.constants import LOG2E
 from cascadeinfer.kernels.launch import LaunchCache, given, launch, recorded, scratch
 from cascadeinfer.kernels.merge import finish_state, merge_states
 from cascadeinfer.kernels.reference import attention_state_ref
@@ -91,7 +92,6 @@ from cascadeinfer.layouts.paged_cache import (
     unpack_paged_kv_cache,
 )
 
-LOG2E = math.log2(math.e)  # natural log -> log2 units: scores are scaled by sm_scale * LOG2E
 
 
 # --------------------------------------------------------------------------------------
@@ -379,7 +379,6 @@ def _prefill_kernel(
     stride_kp,  # paged: K and V share their page and token strides (one PagedKV)
     stride_kt,
     stride_kh,
-    stride_vp,  # not read: paged V uses stride_kp, ragged has no pages
     stride_vt,  # ragged only (paged V uses stride_kt)
     stride_vh,
     stride_ot,
@@ -751,7 +750,7 @@ def _launch(
         (num_groups - 1).bit_length(), num_groups,
         nnz_qo, kv.k.shape[0] if one_group else 0,
         q.stride(0), q.stride(1),
-        *kv.k_strides, *kv.v_strides,
+        *kv.k_strides, *kv.v_strides[1:],  # V's page stride is K's (checked above)
         o_dest.stride(0), o_dest.stride(1), o_dest.stride(2),
         lse_dest.stride(0), lse_dest.stride(1), lse_dest.stride(2),
         sm_scale * LOG2E,

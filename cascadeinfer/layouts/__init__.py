@@ -8,14 +8,14 @@ from cascadeinfer.layouts.page_table import (
     validate_page_table,
 )
 from cascadeinfer.layouts.paged_cache import PagedKV, gather_paged_kv, unpack_paged_kv_cache
-from cascadeinfer.layouts.pool import OutOfPagesError, PagedKVPool, copy_pages
+from cascadeinfer.layouts.pool import OutOfPagesError, PagedKVPool, copy_pages_torch
 
 __all__ = [
     "OutOfPagesError",
     "PageTable",
     "PagedKV",
     "PagedKVPool",
-    "copy_pages",
+    "copy_pages_torch",
     "gather_paged_kv",
     "get_batch_indices_positions",
     "get_seq_lens",

@@ -28,7 +28,7 @@ _INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 IntVector = torch.Tensor | Iterable[int]
 
 
-def _as_int_list(name: str, values: object) -> list[int]:
+def as_int_list(name: str, values: object) -> list[int]:
     """A Python iterable of integers as a list; names ``name`` on anything else."""
     if isinstance(values, (str, bytes)):
         raise TypeError(f"{name}: expected a tensor or a sequence of ints, got {type(values).__name__}")
@@ -130,7 +130,7 @@ def indptr_from_lengths(
         out = torch.zeros(lengths.shape[0] + 1, dtype=torch.int32, device=dev)
         out[1:] = torch.cumsum(lengths, 0, dtype=torch.int32)
         return out
-    values = _as_int_list("lengths", lengths)
+    values = as_int_list("lengths", lengths)
     _check_lengths_values("lengths", values)
     prefix = [0]
     for x in values:
@@ -159,7 +159,7 @@ def lengths_from_indptr(
         if validate and not capturing():
             _check_indptr_values("indptr", indptr.cpu().tolist(), None)
         return (indptr[1:] - indptr[:-1]).to(device=dev, dtype=torch.int32)
-    values = _as_int_list("indptr", indptr)
+    values = as_int_list("indptr", indptr)
     _check_indptr_values("indptr", values, None)
     return torch.tensor([b - a for a, b in zip(values[:-1], values[1:])], dtype=torch.int32, device=device)
 
@@ -177,5 +177,5 @@ def validate_indptr(name: str, indptr: IntVector, *, total: int | None = None) -
         check_tensor(name, indptr, ndim=1, dtypes=(torch.int32,))
         values = indptr.cpu().tolist()
     else:
-        values = _as_int_list(name, indptr)
+        values = as_int_list(name, indptr)
     _check_indptr_values(name, values, total)

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from cascadeinfer._checks import capturing, check_int32_vector, check_tensor
-from cascadeinfer.layouts.indptr import _as_int_list, check_monotone, host_array
+from cascadeinfer.layouts.indptr import as_int_list, check_monotone, host_array
 
 
 _INT32_MAX = 2**31 - 1
@@ -299,10 +299,10 @@ class PageTable:
         if isinstance(seq_lens, torch.Tensor):
             check_tensor("seq_lens", seq_lens, ndim=1)
             seq_lens = seq_lens.cpu().tolist()
-        lens = _as_int_list("seq_lens", seq_lens)
+        lens = as_int_list("seq_lens", seq_lens)
         if isinstance(page_lists, (str, bytes, torch.Tensor)):
             raise TypeError(f"page_lists: expected a sequence of page lists, got {type(page_lists).__name__}")
-        rows = [_as_int_list(f"page_lists[{i}]", pages) for i, pages in enumerate(page_lists)]
+        rows = [as_int_list(f"page_lists[{i}]", pages) for i, pages in enumerate(page_lists)]
         if len(rows) != len(lens):
             raise ValueError(f"seq_lens: has {len(lens)} entries but page_lists has {len(rows)} rows")
         indptr, indices, last = [0], [], []

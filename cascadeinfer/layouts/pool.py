@@ -19,8 +19,8 @@ a page number holds one reference to it:
   free list when its count reaches 0. Freeing a page that is already free raises.
 * :meth:`PagedKVPool.copy_on_write` is what a holder calls before writing into pages it
   may share: every listed page with refcount > 1 is replaced by a private copy (all
-  layers, K and V, one batched kernel launch) and the holder's reference to the original
-  is dropped. Pages it already owns alone are returned unchanged.
+  layers, K and V, in one call of the pool's page copy) and the holder's reference to the
+  original is dropped. Pages it already owns alone are returned unchanged.
 
 Every operation checks its whole argument first and either succeeds completely or raises
 leaving the pool exactly as it was: running out of pages raises :class:`OutOfPagesError`
@@ -32,93 +32,22 @@ from __future__ import annotations
 
 import operator
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
-import triton
-import triton.language as tl
 
-from cascadeinfer._checks import FLOAT_DTYPES, capturing, check_int32_vector, check_tensor, next_power_of_2, use_triton
+from cascadeinfer._checks import FLOAT_DTYPES
 from cascadeinfer.layouts.page_table import PageTable
 from cascadeinfer.layouts.paged_cache import check_kv_layout
 
 
-@triton.jit
-def _copy_pages_kernel(
-    cache_ptr,  # [num_layers, num_pages, page_numel]: every page contiguous inside its layer
-    src_ptr,  # [num_copies] int32: page to read
-    dst_ptr,  # [num_copies] int32: page to write
-    stride_layer,  # elements between layers
-    stride_page,  # elements between pages
-    page_numel,  # elements of one page (K and V together)
-    BLOCK: tl.constexpr,
-):
-    copy = tl.program_id(0)
-    layer = tl.program_id(1)
-    chunk = tl.program_id(2)
-    src = tl.load(src_ptr + copy).to(tl.int64)
-    dst = tl.load(dst_ptr + copy).to(tl.int64)
-    offs = chunk * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < page_numel
-    base = layer.to(tl.int64) * stride_layer
-    # A plain copy: no arithmetic, so no float32 upcast; the bits move unchanged.
-    x = tl.load(cache_ptr + base + src * stride_page + offs, mask=mask)
-    tl.store(cache_ptr + base + dst * stride_page + offs, x, mask=mask)
-
-
-def copy_pages(
-    cache: torch.Tensor,
-    src_pages: torch.Tensor,
-    dst_pages: torch.Tensor,
-    *,
-    validate: bool = True,
-) -> None:
-    """Copy page ``src_pages[c]`` onto page ``dst_pages[c]`` in every layer, in one launch.
-
-    ``cache``: ``[num_layers, num_pages, *page_shape]`` float16/bfloat16/float32, each
-    page contiguous within its layer (true of :class:`PagedKVPool`'s cache in both
-    layouts). ``src_pages``, ``dst_pages``: int32 ``[num_copies]`` on the cache's device.
-    With ``validate`` (and not while capturing) every page must be inside the pool, the
-    destinations distinct and disjoint from the sources (otherwise the copies would race).
-    Runs the Triton kernel where :func:`use_triton` says so, else a torch gather/scatter.
-    """
-    check_tensor("cache", cache, dtypes=FLOAT_DTYPES)
-    if cache.dim() < 3:
-        raise ValueError(f"cache: expected [num_layers, num_pages, *page_shape], got {list(cache.shape)}")
-    page_numel = 1
-    for size in cache.shape[2:]:
-        page_numel *= size
-    expected = 1
-    for dim in range(cache.dim() - 1, 1, -1):
-        if cache.shape[dim] > 1 and cache.stride(dim) != expected:
-            raise ValueError(
-                f"cache: each page must be contiguous within its layer, got strides {tuple(cache.stride())}"
-            )
-        expected *= cache.shape[dim]
-    num_pages = cache.shape[1]
-    check_int32_vector("src_pages", src_pages, cache.device)
-    check_int32_vector("dst_pages", dst_pages, cache.device, length=src_pages.shape[0])
-    if validate and not capturing():
-        src, dst = src_pages.cpu().tolist(), dst_pages.cpu().tolist()
-        for name, pages in (("src_pages", src), ("dst_pages", dst)):
-            for i, p in enumerate(pages):
-                if not 0 <= p < num_pages:
-                    raise ValueError(f"{name}: page {p} at position {i} is outside the pool of {num_pages} pages")
-        if len(set(dst)) != len(dst):
-            raise ValueError("dst_pages: destinations must be distinct")
-        if set(dst) & set(src):
-            raise ValueError("dst_pages: a destination is also a source; the copies would race")
-    num_copies = src_pages.shape[0]
-    if num_copies == 0 or cache.shape[0] == 0 or page_numel == 0:
-        return
-    if not use_triton(cache.device):
-        cache[:, dst_pages.long()] = cache[:, src_pages.long()]
-        return
-    block = min(next_power_of_2(page_numel), 2048)
-    grid = (num_copies, cache.shape[0], triton.cdiv(page_numel, block))
-    _copy_pages_kernel[grid](
-        cache, src_pages, dst_pages, cache.stride(0), cache.stride(1), page_numel, BLOCK=block,
-    )
+def copy_pages_torch(cache: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> None:
+    """Page ``src_pages[c]`` onto page ``dst_pages[c]`` of ``cache`` ``[num_layers,
+    num_pages, ...]`` in every layer, by a torch gather and scatter: the pool's default
+    copy (an engine passes :func:`cascadeinfer.kernels.copy_pages`, one Triton launch).
+    The pool's bookkeeping guarantees pages inside the pool, destinations distinct and
+    disjoint from the sources."""
+    cache[:, dst_pages.long()] = cache[:, src_pages.long()]
 
 
 class OutOfPagesError(RuntimeError):
@@ -137,10 +66,13 @@ class PagedKVPool:
     """A paged KV cache for ``num_layers`` layers plus the allocator of its pages.
 
     ``PagedKVPool(num_layers, num_pages, page_size, num_kv_heads, head_dim, *, dtype,
-    device, kv_layout="NHD")`` allocates ``cache`` (zeros) in the shape given in the
-    module docstring; see there for the ownership model. ``layer(i)`` is the per-layer
-    view kernels take. The allocator is plain host state (not thread-safe); it never
-    reads the device except to copy pages in :meth:`copy_on_write`.
+    device, kv_layout="NHD", copy_pages=None)`` allocates ``cache`` (zeros) in the shape
+    given in the module docstring; see there for the ownership model. ``layer(i)`` is the
+    per-layer view kernels take. The allocator is plain host state (not thread-safe); it
+    never touches the device except to copy pages in :meth:`copy_on_write`, through
+    ``copy_pages(cache, src_pages, dst_pages)`` (int32 page ids on the cache's device;
+    default :func:`copy_pages_torch`; an engine passes the one-launch Triton copy,
+    ``functools.partial(cascadeinfer.kernels.copy_pages, validate=False)``).
     """
 
     def __init__(
@@ -154,6 +86,7 @@ class PagedKVPool:
         dtype: torch.dtype,
         device: torch.device | str,
         kv_layout: str = "NHD",
+        copy_pages: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None,
     ) -> None:
         for name, value in (("num_layers", num_layers), ("num_pages", num_pages), ("page_size", page_size),
                             ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
@@ -183,6 +116,8 @@ class PagedKVPool:
         # When a list: every page copy copy_on_write makes, as (source, copy) (an engine
         # whose other processes hold other heads of the same pages repeats them there).
         self.copy_log: list[tuple[int, int]] | None = None
+        # copy_on_write's device copy: (cache, src_pages, dst_pages) with int32 page ids.
+        self._copy_pages = copy_pages_torch if copy_pages is None else copy_pages
 
     # ---- storage -----------------------------------------------------------------
 
@@ -272,7 +207,7 @@ class PagedKVPool:
         once) is replaced by a fresh page holding a copy of its contents in every layer
         (K and V), and one reference to the original is dropped; a page whose reference is
         the caller's alone is kept.
-        All copies run in one batched launch. All or nothing: raises
+        All copies go to the pool's page copy at once. All or nothing: raises
         :class:`OutOfPagesError` (pool and cache unchanged) when there are not enough
         free pages for the copies, ``ValueError`` for pages that are not allocated.
         """
@@ -295,7 +230,7 @@ class PagedKVPool:
         src = [p for p, copy in zip(pages, needs_copy) if copy]
         try:
             idx = torch.tensor([src, fresh], dtype=torch.int32).to(self.device)
-            copy_pages(self.cache, idx[0], idx[1], validate=False)
+            self._copy_pages(self.cache, idx[0], idx[1])
         except BaseException:
             for p in fresh:  # undo the allocation exactly, free-list order included
                 self._refcount[p] = 0
