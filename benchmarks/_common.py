@@ -132,3 +132,12 @@ def write_json(path: str | None, payload: dict) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(payload, f, indent=1)
+
+
+def gpu_start(tool: str) -> torch.device:
+    """A GPU tool's start: exit with a message where no CUDA device is present, else print
+    the environment as a ``#`` line and return the current CUDA device."""
+    if not torch.cuda.is_available():
+        sys.exit(f"{tool} needs a CUDA device")
+    print("#", environment(), flush=True)
+    return torch.device("cuda", torch.cuda.current_device())

@@ -43,12 +43,8 @@ from benchmarks._common import (
 )
 from benchmarks.fixtures import DTYPE, HKV, HQ, PAGE, D, fi_wrapper, io_bytes, kv_bytes, new_pool, page_table
 from cascadeinfer.kernels import decode as decode_mod
-from cascadeinfer.kernels.decode import (
-    DECODE_VARIANTS,
-    SCHEDULES,
-    batch_decode_paged,
-    pick_decode_schedule,
-)
+from cascadeinfer.kernels.decode import batch_decode_paged
+from cascadeinfer.kernels.policy import DECODE_VARIANTS, SCHEDULES, pick_decode_schedule
 from cascadeinfer.kernels.reference import attention_state_ref
 from cascadeinfer.layouts.paged_cache import gather_paged_kv, unpack_paged_kv_cache
 

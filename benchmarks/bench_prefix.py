@@ -40,6 +40,7 @@ from benchmarks._common import (
     write_json,
 )
 from benchmarks.fixtures import DTYPE, HKV, HQ, PAGE, D, new_pool, page_table  # one shape, one pool layout
+from cascadeinfer.kernels import policy
 from cascadeinfer.kernels import prefill as P
 from cascadeinfer.kernels.prefill import batch_prefill_paged
 from cascadeinfer.kernels.reference import attention_state_ref
@@ -51,10 +52,10 @@ QUICK_SHAPES = ((128, 8192), (256, 8192), (512, 32768), (128, 65536))
 SWEEP_SHAPES = ((64, 16384), (128, 32768), (256, 8192), (512, 32768))
 FLEX_SHAPES = ((128, 32768), (512, 8192))
 SWEEP_CONFIGS = {  # the default first; benchmarks/tools/tune_prefix.py holds the wider search
-    "128x128 w8 s3": P.TileConfig(128, 128, 8, 3),
-    "128x128 w8 s2": P.TileConfig(128, 128, 8, 2),
-    "128x64 w8 s3": P.TileConfig(128, 64, 8, 3),
-    "64x64 w4 s3": P.TileConfig(64, 64, 4, 3),
+    "128x128 w8 s3": policy.TileConfig(128, 128, 8, 3),
+    "128x128 w8 s2": policy.TileConfig(128, 128, 8, 2),
+    "128x64 w8 s3": policy.TileConfig(128, 64, 8, 3),
+    "64x64 w4 s3": policy.TileConfig(64, 64, 4, 3),
 }
 SWEEP_SPLITS = (("", 1), (" x2", 2))  # the one-wave split count, and twice it
 LN2 = math.log(2.0)
@@ -152,11 +153,11 @@ def run_config(q, qo, pool, indptr, indices, last, cfg, splits, layout="NHD", ou
 # --------------------------------------------------------------------------- timing
 
 
-def default_splits(n: int, length: int, dev, cfg: P.TileConfig | None = None) -> int:
+def default_splits(n: int, length: int, dev, cfg: policy.TileConfig | None = None) -> int:
     """The split count batch_prefill_paged picks for one group of n queries (pool = the prefix)."""
-    cfg = cfg or P.default_tile_config(D, DTYPE, n * (HQ // HKV))
-    tiles = P.num_m_tiles(n, 1, HQ // HKV, cfg.block_m)
-    return P.default_num_splits(tiles, HKV, -(-length // PAGE) * PAGE, dev)
+    cfg = cfg or policy.default_tile_config(D, DTYPE, n * (HQ // HKV))
+    tiles = policy.num_m_tiles(n, 1, HQ // HKV, cfg.block_m)
+    return policy.default_num_splits(tiles, HKV, -(-length // PAGE) * PAGE, dev)
 
 
 class Shape:
@@ -305,7 +306,7 @@ def main() -> None:
     write_json(args.json, dict(
         env=env, copy_Bps=copy_bw, matmul_flops=mm_rate,
         shape=dict(hq=HQ, hkv=HKV, head_dim=D, page_size=PAGE, dtype=str(DTYPE)),
-        default_config=str(P.default_tile_config(D, DTYPE)), rows=rows, sweep=sweep,
+        default_config=str(policy.default_tile_config(D, DTYPE)), rows=rows, sweep=sweep,
         sweep_configs={k: str(v) for k, v in SWEEP_CONFIGS.items()}))
     if sweep:
         cols = ["n", "L", "splits"] + [f"{c}{t}" for c in SWEEP_CONFIGS for t, _ in SWEEP_SPLITS]

@@ -10,12 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cascadeinfer.kernels import decode as decode_mod
-from cascadeinfer.kernels.decode import (
+from cascadeinfer.kernels.decode import batch_decode_paged, batch_decode_paged_ref
+from cascadeinfer.kernels.policy import (
     DECODE_VARIANTS,
     MAX_SPLITS,
     DecodeConfig,
-    batch_decode_paged,
-    batch_decode_paged_ref,
     decode_num_splits,
     pick_decode_config,
 )

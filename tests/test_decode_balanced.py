@@ -23,11 +23,11 @@ from test_decode import (
 from cascadeinfer.cascade import MultiLevelCascadeAttention
 from cascadeinfer.kernels import decode as decode_mod
 from cascadeinfer.kernels import decode_balanced
-from cascadeinfer.kernels.decode import (
+from cascadeinfer.kernels.decode import batch_decode_paged
+from cascadeinfer.kernels.policy import (
     BALANCED_VARIANTS,
     MAX_SPLITS,
     balanced_num_programs,
-    batch_decode_paged,
     pick_balanced_config,
     pick_decode_schedule,
 )

@@ -274,13 +274,13 @@ def test_stop_tokens_and_context_limit(llama, device, torch_path):
 
 @pytest.fixture
 def few_decode_splits(monkeypatch, device):
-    """On a CPU the decode kernel plans its KV splits for 132 SMs: hundreds of programs,
-    seconds per call in the interpreter. Plan for 4 there (split-KV itself is the decode
-    kernel's own tests' business)."""
+    """On a CPU the kernels plan their KV splits for 132 SMs: hundreds of programs,
+    seconds per call in the interpreter. Plan for 4 there (split-KV itself is the
+    kernels' own tests' business)."""
     if device.type == "cpu":
-        from cascadeinfer.kernels import decode  # noqa: PLC0415
+        from cascadeinfer.kernels import policy  # noqa: PLC0415
 
-        monkeypatch.setattr(decode, "_num_sms", lambda *args: 4, raising=False)
+        monkeypatch.setattr(policy, "planning_sms", lambda *args: 4)
 
 
 @pytest.mark.parametrize("mode", ["cascade", "flat", "padded-graph-path"])

@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from cascadeinfer.cascade.multi_level import MultiLevelCascadeAttention
+from cascadeinfer.kernels import policy
 from cascadeinfer.kernels import prefill as P
 from cascadeinfer.kernels.decode import batch_decode_paged, batch_decode_paged_ref
 from cascadeinfer.kernels.merge import (
@@ -44,7 +45,7 @@ from cascadeinfer.layouts.paged_cache import gather_paged_kv, unpack_paged_kv_ca
 
 NAN, INF = math.nan, math.inf
 GARBAGE = pytest.mark.parametrize("bad", [NAN, INF, -INF], ids=["nan", "+inf", "-inf"])
-SMALL = P.TileConfig(16, 16, 4, 1)  # many tiles and splits from few tokens (GPU-valid: dot dims >= 16)
+SMALL = policy.TileConfig(16, 16, 4, 1)  # many tiles and splits from few tokens (GPU-valid: dot dims >= 16)
 # (o, lse) tolerances where the reference is finite; fp32 products are exact fp32.
 TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (3e-3, 2e-3), torch.bfloat16: (2e-2, 2e-3)}
 

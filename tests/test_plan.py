@@ -14,7 +14,7 @@ from cascadeinfer.cascade import plan as plan_mod
 from cascadeinfer.cascade.grouping import group_levels
 from cascadeinfer.cascade.multi_level import MultiLevelCascadeAttention
 from cascadeinfer.cascade.plan import check_levels, choose_cascade, flat_page_table, host_levels, level_shapes
-from cascadeinfer.kernels.decode import pick_decode_schedule
+from cascadeinfer.kernels.policy import pick_decode_schedule
 from cascadeinfer.layouts.page_table import check_page_table_values
 
 

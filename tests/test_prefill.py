@@ -17,6 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cascadeinfer.kernels import policy
 from cascadeinfer.kernels import prefill as P
 from cascadeinfer.kernels.prefill import batch_prefill_paged, batch_prefill_ragged, shared_prefix_attention
 from cascadeinfer.kernels.reference import attention_state_ref, merge_state_ref
@@ -25,7 +26,7 @@ from cascadeinfer.layouts.page_table import PageTable
 from cascadeinfer.layouts.paged_cache import gather_paged_kv, unpack_paged_kv_cache
 
 i32 = torch.int32
-SMALL = P.TileConfig(16, 16, 4, 1)  # many tiles from few tokens (GPU-valid: dot dims >= 16)
+SMALL = policy.TileConfig(16, 16, 4, 1)  # many tiles from few tokens (GPU-valid: dot dims >= 16)
 # (o atol/rtol, lse atol/rtol, o error norm / reference norm) per dtype: bf16/fp16 round
 # p before the PV dot and o at the store; float32 dots use input_precision="ieee" on the
 # GPU. The norm check keeps long prefixes honest, where o is small and atol alone is loose.
@@ -195,7 +196,7 @@ def test_paged_full_tiles_any_page_size(device, page_size, causal):
               dtype=torch.float16, page_size=page_size, causal=causal, num_splits=2, config=SMALL, seed=9)
 
 
-ADDRESS_PATHS = [P.AddressPath(o32, aligned) for o32 in (False, True) for aligned in (False, True)]
+ADDRESS_PATHS = [policy.AddressPath(o32, aligned) for o32 in (False, True) for aligned in (False, True)]
 
 
 @pytest.mark.parametrize("page_size,layout,causal", [(4, "NHD", False), (16, "HND", True), (5, "NHD", False)])
@@ -211,8 +212,8 @@ def test_paged_address_paths_agree(device, page_size, layout, causal):
     q = _randn((5, hkv * group, d), dtype, device, gen)
     args = (q, qo_indptr, cache, table.kv_indptr, table.kv_indices, table.kv_last_page_len)
     source = P._paged_source(unpack_paged_kv_cache(cache, layout), *args[3:])
-    safe = P.exact_address_path(source, SMALL)
-    assert safe == P.AddressPath(offsets_32=True, aligned_pages=16 % page_size == 0)
+    safe = policy.exact_address_path(source, SMALL)
+    assert safe == policy.AddressPath(offsets_32=True, aligned_pages=16 % page_size == 0)
     ref = P.batch_prefill_paged_ref(*args, causal=causal, kv_layout=layout)
     results = []
     for address in ADDRESS_PATHS:
@@ -236,10 +237,10 @@ def test_ragged_address_paths_agree(device):
     qo_indptr = indptr_from_lengths([3, 2], device=device)
     kv_indptr = indptr_from_lengths([37, 53], device=device)
     source = P._ragged_source(q, k, v, kv_indptr)
-    assert P.exact_address_path(source, SMALL) == P.AddressPath(offsets_32=True, aligned_pages=False)
+    assert policy.exact_address_path(source, SMALL) == policy.AddressPath(offsets_32=True, aligned_pages=False)
     ref = P.batch_prefill_ragged_ref(q, qo_indptr, k, v, kv_indptr)
     outs = []
-    for address in (P.AddressPath(False, False), P.AddressPath(True, False)):
+    for address in (policy.AddressPath(False, False), policy.AddressPath(True, False)):
         out, lse = poisoned(q)
         P._run(q, qo_indptr, source, out, lse, causal=False, sm_scale=0.125, num_splits=2, config=SMALL,
                address=address)
@@ -259,7 +260,7 @@ def _meta_paged_source(num_pages, page_size=16, hkv=8, d=128, layout="NHD"):
 def test_exact_address_path_int32_bound():
     """int32 offsets exactly while the largest element offset of the K and V views is below
     2**31; a pool past it (the GPU test's 100K prefix at page 70000) keeps int64."""
-    big = P.TileConfig(128, 128, 8, 3)
+    big = policy.TileConfig(128, 128, 8, 3)
     # NHD pool [P, 2, 16, 8, 128]: the K and V views' largest offset (each from its own
     # first element) is (P - 1) * 32768 + 16383.
     per_page = 2 * 16 * 8 * 128
@@ -267,16 +268,16 @@ def test_exact_address_path_int32_bound():
     for num_pages, expect in ((fits, True), (fits + 1, False), (76_251, False)):
         assert ((num_pages - 1) * per_page + 16383 < 2**31) == expect
         source, _ = _meta_paged_source(num_pages)
-        assert P.exact_address_path(source, big) == P.AddressPath(offsets_32=expect, aligned_pages=True)
+        assert policy.exact_address_path(source, big) == policy.AddressPath(offsets_32=expect, aligned_pages=True)
     source, _ = _meta_paged_source(1000, page_size=256, layout="HND")  # 128-key tiles inside a page
-    assert P.exact_address_path(source, big) == P.AddressPath(offsets_32=True, aligned_pages=False)
+    assert policy.exact_address_path(source, big) == policy.AddressPath(offsets_32=True, aligned_pages=False)
     # Ragged [nnz_kv, 1, 128] contiguous: largest offset (nnz_kv - 1) * 128 + 127.
     q = torch.empty((1, 4, 128), dtype=torch.bfloat16, device="meta")
     for nnz_kv, expect in ((2**24, True), (2**24 + 1, False)):
         k = torch.empty((nnz_kv, 1, 128), dtype=torch.bfloat16, device="meta")
         v = torch.empty((1, 1, 128), dtype=torch.bfloat16, device="meta").expand(nnz_kv, 1, 128)  # stride 0
-        assert P.exact_address_path(P._ragged_source(q, k, v, None), big).offsets_32 == expect
-        assert P.exact_address_path(P._ragged_source(q, v, k, None), big).offsets_32 == expect  # V alone
+        assert policy.exact_address_path(P._ragged_source(q, k, v, None), big).offsets_32 == expect
+        assert policy.exact_address_path(P._ragged_source(q, v, k, None), big).offsets_32 == expect  # V alone
 
 
 def test_default_address_path_per_tile():
@@ -284,16 +285,16 @@ def test_default_address_path_per_tile():
     not align), 64-row tiles take both switches, 16-32-row tiles neither; never more
     than is exact."""
     source, _ = _meta_paged_source(1000)
-    tiles = {m: P.TileConfig(m, 64, 4, 3) for m in (16, 32, 64)} | {128: P.TileConfig(128, 128, 8, 3)}
-    assert P.default_address_path(source, tiles[128]) == P.AddressPath(offsets_32=False, aligned_pages=True)
-    assert P.default_address_path(source, tiles[64]) == P.AddressPath(offsets_32=True, aligned_pages=True)
-    assert P.default_address_path(source, tiles[16]) == P.default_address_path(source, tiles[32]) == \
-        P.AddressPath(offsets_32=False, aligned_pages=False)
+    tiles = {m: policy.TileConfig(m, 64, 4, 3) for m in (16, 32, 64)} | {128: policy.TileConfig(128, 128, 8, 3)}
+    assert policy.default_address_path(source, tiles[128]) == policy.AddressPath(offsets_32=False, aligned_pages=True)
+    assert policy.default_address_path(source, tiles[64]) == policy.AddressPath(offsets_32=True, aligned_pages=True)
+    assert policy.default_address_path(source, tiles[16]) == policy.default_address_path(source, tiles[32]) == \
+        policy.AddressPath(offsets_32=False, aligned_pages=False)
     unaligned, _ = _meta_paged_source(1000, page_size=256)
-    assert P.default_address_path(unaligned, tiles[128]) == P.AddressPath(offsets_32=True, aligned_pages=False)
+    assert policy.default_address_path(unaligned, tiles[128]) == policy.AddressPath(offsets_32=True, aligned_pages=False)
     big, _ = _meta_paged_source(76_251, page_size=256)
     for config in tiles.values():
-        path, exact = P.default_address_path(big, config), P.exact_address_path(big, config)
+        path, exact = policy.default_address_path(big, config), policy.exact_address_path(big, config)
         assert not path.offsets_32 and (exact.aligned_pages or not path.aligned_pages)
 
 
@@ -305,12 +306,12 @@ def test_forced_int32_past_2_31_is_refused():
     lse = torch.empty((4, 1, 32), dtype=torch.float32, device="meta")
     qo = torch.empty(2, dtype=i32, device="meta")
     with pytest.raises(ValueError, match="address"):
-        P._launch(q, qo, source, out, lse, causal=False, sm_scale=0.1, config=P.TileConfig(128, 128, 8, 3),
-                  address=P.AddressPath(offsets_32=True, aligned_pages=True))
+        P._launch(q, qo, source, out, lse, causal=False, sm_scale=0.1, config=policy.TileConfig(128, 128, 8, 3),
+                  address=policy.AddressPath(offsets_32=True, aligned_pages=True))
     small_pages, _ = _meta_paged_source(8, page_size=5)
     with pytest.raises(ValueError, match="address"):
         P._launch(q, qo, small_pages, out, lse, causal=False, sm_scale=0.1, config=SMALL,
-                  address=P.AddressPath(offsets_32=False, aligned_pages=True))
+                  address=policy.AddressPath(offsets_32=False, aligned_pages=True))
 
 
 def test_running_max_grows_every_tile(device):
@@ -340,14 +341,14 @@ def test_running_max_grows_every_tile(device):
 def test_default_tile_config_follows_rows_per_group():
     """Few rows per group get small tiles (no 128-row padding); long groups the tuned 128x128."""
     bf16 = torch.bfloat16
-    assert P.default_tile_config(128, bf16) == P.TileConfig(128, 128, 8, 3)
-    assert P.default_tile_config(128, bf16, 4).block_m == 16
-    assert P.default_tile_config(128, bf16, 32).block_m == 32
-    assert P.default_tile_config(96, torch.float16, 60).block_m == 64
-    assert P.default_tile_config(64, bf16, 65).block_m == 128
-    assert P.default_tile_config(256, bf16, 8) == P.TileConfig(16, 32, 4, 3)
-    assert P.default_tile_config(256, bf16, 500) == P.TileConfig(128, 32, 8, 3)
-    assert P.default_tile_config(128, torch.float32, 4).block_m == 32  # float32 keeps its FMA tiles
+    assert policy.default_tile_config(128, bf16) == policy.TileConfig(128, 128, 8, 3)
+    assert policy.default_tile_config(128, bf16, 4).block_m == 16
+    assert policy.default_tile_config(128, bf16, 32).block_m == 32
+    assert policy.default_tile_config(96, torch.float16, 60).block_m == 64
+    assert policy.default_tile_config(64, bf16, 65).block_m == 128
+    assert policy.default_tile_config(256, bf16, 8) == policy.TileConfig(16, 32, 4, 3)
+    assert policy.default_tile_config(256, bf16, 500) == policy.TileConfig(128, 32, 8, 3)
+    assert policy.default_tile_config(128, torch.float32, 4).block_m == 32  # float32 keeps its FMA tiles
 
 
 @settings(max_examples=25, deadline=None)
@@ -643,8 +644,8 @@ def test_gpu_shared_prefix_realistic(length, n, high_pages):
     if high_pages:
         assert t.kv_indices.min().item() * cache.stride(0) > 2**31
     source = P._paged_source(unpack_paged_kv_cache(cache, "NHD"), t.kv_indptr, t.kv_indices, t.kv_last_page_len)
-    config = P.groups_tile_config(n, 1, 4, 128, torch.bfloat16)
-    assert P.exact_address_path(source, config).offsets_32 == (not high_pages), "int64 offsets past 2^31"
+    config = policy.groups_tile_config(n, 1, 4, 128, torch.bfloat16)
+    assert policy.exact_address_path(source, config).offsets_32 == (not high_pages), "int64 offsets past 2^31"
     out, lse = poisoned(q)
     batch_prefill_paged(q, qo_indptr, cache, t.kv_indptr, t.kv_indices, t.kv_last_page_len, out=out, lse=lse)
     kv = unpack_paged_kv_cache(cache, "NHD")

@@ -17,11 +17,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import sys
 
 import torch
 
-from benchmarks._common import environment, markdown_table
+from benchmarks._common import environment, gpu_start, markdown_table
 from benchmarks.fixtures import MIN_POOL_BYTES, Shape, Workload
 from benchmarks.bench_host import HOST_SHAPES, host_us
 from cascadeinfer import batch_decode_paged
@@ -78,11 +77,8 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("probe_host_parts needs a CUDA device")
-    device = torch.device("cuda", torch.cuda.current_device())
+    device = gpu_start("probe_host_parts")
     env = environment()
-    print(f"# {env}", flush=True)
     rows = []
     for shape in HOST_SHAPES:
         rows += parts(Shape(*shape), args.calls, device)

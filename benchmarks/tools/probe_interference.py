@@ -39,7 +39,7 @@ from benchmarks.fixtures import BAR_SHAPES, DTYPE, MIN_POOL_BYTES, PAGE, Shape, 
 from benchmarks.tools.timeline import kernel_timeline
 from benchmarks.tools.tune_overlap import two_streams
 from cascadeinfer.cascade.multi_level import MultiLevelCascadeAttention
-from cascadeinfer.kernels.decode import DECODE_VARIANTS
+from cascadeinfer.kernels.policy import DECODE_VARIANTS
 
 _SMI_FIELDS = "clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
 

@@ -29,7 +29,7 @@ from collections import defaultdict
 
 import torch
 
-from benchmarks._common import environment, markdown_table, write_json
+from benchmarks._common import environment, gpu_start, markdown_table, write_json
 
 MARKER = "spin_kernel"  # torch.cuda._sleep's kernel, enqueued before each profiled step
 
@@ -103,12 +103,9 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=15, help="kernels listed by time")
     ap.add_argument("--json", metavar="PATH", help="write the results and the environment here as JSON")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("profile_engine_step needs a CUDA device")
     if args.new_tokens <= args.steps + 4:
         sys.exit("--new-tokens: must exceed --steps + 4 (the profiled steps come after the batch fills)")
-    device = torch.device("cuda", torch.cuda.current_device())
-    print("#", environment(), flush=True)
+    device = gpu_start("profile_engine_step")
     workload = Workload(args.requests, args.prefix, args.suffix, args.new_tokens)
     mc = preset(args.preset)
     llm = LLM.from_config(mc, device=device, dtype=torch.bfloat16, record_steps=True, page_size=16,

@@ -34,7 +34,8 @@ import torch
 from benchmarks._common import L2_BYTES, environment, load_flashinfer, markdown_table, write_json
 from benchmarks.fixtures import DTYPE, HKV, HQ, PAGE, D, fi_wrapper, io_bytes, kv_bytes, new_pool, page_table
 from cascadeinfer.kernels import decode as decode_mod
-from cascadeinfer.kernels.decode import DECODE_VARIANTS, DecodeConfig
+from cascadeinfer.kernels import policy
+from cascadeinfer.kernels.policy import DECODE_VARIANTS, DecodeConfig
 from cascadeinfer.kernels.reference import attention_state_ref
 from cascadeinfer.layouts.paged_cache import gather_paged_kv, unpack_paged_kv_cache
 
@@ -221,7 +222,7 @@ def time_shape(batch, ctx, splits_list, variants, copy_bw, fi, v0, deadline, row
             lse=lses[i], validate=False, config=None) for i in range(n_rot)]))
         if ref is None:
             ref = outs[0].float().clone()
-    plan_cfg = decode_mod.pick_decode_config(D, DTYPE, PAGE, work=batch * HKV, num_sms=decode_mod._num_sms(dev))
+    plan_cfg = decode_mod.pick_decode_config(D, DTYPE, PAGE, work=batch * HKV, num_sms=policy.planning_sms(dev))
     plan_splits = decode_mod.decode_num_splits(batch, HKV, dev, programs_per_sm=plan_cfg.programs_per_sm)
     plan_name = next((k for k, v in DECODE_VARIANTS.items() if v == plan_cfg), str(plan_cfg))
     runs = [("default=" + plan_name, None, plan_splits)]

@@ -28,6 +28,7 @@ import torch
 from benchmarks._common import bench_rotating, environment, markdown_table, measure_ceilings, roofline_floor, write_json
 from benchmarks.fixtures import BAR_SHAPES, DTYPE, MIN_POOL_BYTES, PAGE, Shape, Workload
 from cascadeinfer.cascade.multi_level import MultiLevelCascadeAttention
+from cascadeinfer.kernels import policy
 from cascadeinfer.kernels import prefill as P
 from cascadeinfer.kernels.decode import BALANCED_VARIANTS, _batch_decode_paged, batch_decode_paged
 from cascadeinfer.kernels.merge import merge_state, merge_states
@@ -90,7 +91,7 @@ def one_merge(wl: Workload, prefix_splits: int):
     s = wl.shape
     qo, kp, ki, kl = wl.tables()
     side = torch.cuda.Stream()
-    cfg = P.groups_tile_config(s.batch, 1, s.hq // s.hkv, s.head_dim, DTYPE)
+    cfg = policy.groups_tile_config(s.batch, 1, s.hq // s.hkv, s.head_dim, DTYPE)
     bufs = [(torch.empty(s.batch, prefix_splits + 1, s.hq, s.head_dim, device=q.device, dtype=DTYPE),
              torch.empty(s.batch, prefix_splits + 1, s.hq, device=q.device), torch.empty_like(q),
              torch.empty(q.shape[:2], device=q.device)) for q in wl.qs]
@@ -153,8 +154,8 @@ def main() -> None:
         serial = bench_rotating([lambda i=i: attn.run(wl.qs[i], wl.pools[i]) for i in range(wl.rot)],
                                 rep_ms=args.rep_ms)
         row = dict(shape=f"{s.batch},{s.prefix},{s.suffix}", floor_us=floor * 1e6, serial=serial * 1e6)
-        cfg = P.default_tile_config(s.head_dim, DTYPE, s.batch * s.hq // s.hkv)
-        pairs = P.num_m_tiles(s.batch, 1, s.hq // s.hkv, cfg.block_m) * s.hkv
+        cfg = policy.default_tile_config(s.head_dim, DTYPE, s.batch * s.hq // s.hkv)
+        pairs = policy.num_m_tiles(s.batch, 1, s.hq // s.hkv, cfg.block_m) * s.hkv
         full = max(1, sms // pairs)
         variants = {}
         levels = {f"alone: prefix s{full}": (full, "prefix"), "alone: suffix decode": (full, "suffix")}

@@ -37,17 +37,18 @@ from dataclasses import dataclass
 
 import torch
 
+from cascadeinfer.kernels import policy
 from cascadeinfer.kernels import prefill as P
 
 SHAPES = ((128, 8192), (256, 8192), (512, 8192), (128, 32768), (256, 32768), (512, 32768))
 QUICK_SHAPES = ((128, 8192), (512, 32768))
-T = P.TileConfig
+T = policy.TileConfig
 
 
 @dataclass(frozen=True)
 class Variant:
     name: str
-    cfg: P.TileConfig | None  # None: the module's default
+    cfg: policy.TileConfig | None  # None: the module's default
     split_mult: int = 1  # times the one-wave split count (programs per SM)
     module: str = "new"  # "new" (prefill.py), "v0" (benchmarks/_prefill_v0.py)
 
@@ -110,7 +111,7 @@ def load_v0():
 # --------------------------------------------------------------------------- sm_90 report
 
 
-def compile_sm90(cfg: P.TileConfig, address: P.AddressPath):
+def compile_sm90(cfg: policy.TileConfig, address: policy.AddressPath):
     """``(compiled kernel, ptxas -v report, the wheel's CUDA bin folder)`` of the paged
     prefill kernel for sm_90a at the shared-prefix shapes (bf16, group 4, page 16, D 128,
     non-causal, several groups), with 16-byte-aligned pointers and strides: triton.compile
@@ -151,7 +152,7 @@ def sass_report(variants) -> list[dict]:
     for var in variants:
         if var.module != "new" or var.cfg is None:
             continue
-        k, info, _ = compile_sm90(var.cfg, P.AddressPath(offsets_32=True, aligned_pages=True))
+        k, info, _ = compile_sm90(var.cfg, policy.AddressPath(offsets_32=True, aligned_pages=True))
         ptx = k.asm["ptx"]
         loops = ptx.split("Inner Loop Header")[1:]
         rows.append(dict(

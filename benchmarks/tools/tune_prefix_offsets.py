@@ -40,6 +40,7 @@ import time
 
 import torch
 
+from cascadeinfer.kernels import policy
 from cascadeinfer.kernels import prefill as P
 from cascadeinfer.kernels.reference import attention_state_ref
 from cascadeinfer.layouts.paged_cache import gather_paged_kv, unpack_paged_kv_cache
@@ -49,14 +50,14 @@ DTYPE = torch.bfloat16
 SHAPES = ((128, 8192), (256, 8192), (512, 8192), (128, 32768), (256, 32768), (512, 32768))
 CHECK_SHAPE = (128, 8229)
 PATHS = {
-    "int64": P.AddressPath(offsets_32=False, aligned_pages=False),
-    "int32": P.AddressPath(offsets_32=True, aligned_pages=False),
-    "aligned": P.AddressPath(offsets_32=False, aligned_pages=True),
-    "int32+aligned": P.AddressPath(offsets_32=True, aligned_pages=True),
+    "int64": policy.AddressPath(offsets_32=False, aligned_pages=False),
+    "int32": policy.AddressPath(offsets_32=True, aligned_pages=False),
+    "aligned": policy.AddressPath(offsets_32=False, aligned_pages=True),
+    "int32+aligned": policy.AddressPath(offsets_32=True, aligned_pages=True),
 }
 CONTIG_PATHS = {
-    "contiguous int64": P.AddressPath(offsets_32=False, aligned_pages=False),
-    "contiguous int32": P.AddressPath(offsets_32=True, aligned_pages=False),
+    "contiguous int64": policy.AddressPath(offsets_32=False, aligned_pages=False),
+    "contiguous int32": policy.AddressPath(offsets_32=True, aligned_pages=False),
 }
 SM_SCALE = D ** -0.5
 
@@ -145,8 +146,8 @@ def time_paths(mm_rate: float, rep_ms: int, shapes=SHAPES, contiguous: bool = Tr
         rot = rotation_count(kv_bytes)
         sets = [new_prefix(n, length, dev, seed=100 + i) for i in range(rot)]
         outs = [(torch.empty_like(s[0]), torch.empty((n, HQ), device=dev)) for s in sets]
-        tiles = P.num_m_tiles(n, 1, HQ // HKV, P.groups_tile_config(n, 1, HQ // HKV, D, DTYPE).block_m)
-        splits = P.default_num_splits(tiles, HKV, -(-length // PAGE) * PAGE, dev)
+        tiles = policy.num_m_tiles(n, 1, HQ // HKV, policy.groups_tile_config(n, 1, HQ // HKV, D, DTYPE).block_m)
+        splits = policy.default_num_splits(tiles, HKV, -(-length // PAGE) * PAGE, dev)
         row = dict(n=n, L=length, splits=splits, rotations=rot)
         runs = {name: [paged_runner(*st, *o, address) for st, o in zip(sets, outs)] for name, address in PATHS.items()}
         if contiguous:  # the same queries over each pool's prefix gathered contiguously
@@ -180,14 +181,14 @@ def time_paths(mm_rate: float, rep_ms: int, shapes=SHAPES, contiguous: bool = Tr
 _ADDRESS_OPS = ("IMAD", "IADD3", "LEA", "SHF", "LOP3", "SEL", "ISETP", "VIADD", "VIADDMNMX", "IMNMX", "PRMT")
 
 
-def sass_report(config: P.TileConfig | None = None) -> list[dict]:
+def sass_report(config: policy.TileConfig | None = None) -> list[dict]:
     """Compile the paged kernel for sm_90a once per path (no GPU needed: triton.compile with a
     GPUTarget, the wheel's ptxas and cuobjdump) and read off the cubin: registers, spill
     bytes, and for the unmasked key loop (the first SASS loop with tensor-core MMAs) its
     instructions per tile, LDGSTS, LDG, integer/address instructions, local spills."""
     from benchmarks.tools.tune_prefix import compile_sm90  # noqa: PLC0415
 
-    cfg = config or P.default_tile_config(D, DTYPE)
+    cfg = config or policy.default_tile_config(D, DTYPE)
     rows = []
     for name, address in PATHS.items():
         k, info, bindir = compile_sm90(cfg, address)
@@ -285,7 +286,7 @@ def main() -> None:
     rows = time_paths(mm_rate, args.rep_ms, contiguous=not args.no_contiguous, passes=args.passes)
     write_json(args.json, dict(
         env=env, matmul_flops=mm_rate, correctness=errors, results=rows,
-        paths={k: str(v) for k, v in {**PATHS, **CONTIG_PATHS}.items()}, config=str(P.default_tile_config(D, DTYPE))))
+        paths={k: str(v) for k, v in {**PATHS, **CONTIG_PATHS}.items()}, config=str(policy.default_tile_config(D, DTYPE))))
     print(f"\n## prefix kernel address paths: us (fraction of the bf16 matmul rate, {mm_rate / 1e12:.0f} TFLOP/s); "
           f"one group of n queries over an L-token prefix, bf16 Hq={HQ} Hkv={HKV} D={D} page {PAGE}, default "
           f"tiles and splits; speedup = int64 / best paged path\n")

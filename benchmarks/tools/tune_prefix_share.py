@@ -14,12 +14,11 @@ beside them (the public launchers on that level's table), and the floor.
 from __future__ import annotations
 
 import argparse
-import sys
 from unittest import mock
 
 import torch
 
-from benchmarks._common import environment, markdown_table, measure_ceilings, roofline_floor, write_json
+from benchmarks._common import environment, gpu_start, markdown_table, measure_ceilings, roofline_floor, write_json
 from benchmarks.fixtures import MIN_POOL_BYTES, Shape, Workload, make_timer, ours
 from cascadeinfer import batch_decode_paged, batch_prefill_paged
 from cascadeinfer.cascade import plan as plan_mod
@@ -35,10 +34,7 @@ def main() -> None:
     ap.add_argument("--rep-ms", type=int, default=100)
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("tune_prefix_share needs a CUDA device")
-    device = torch.device("cuda", torch.cuda.current_device())
-    print("#", environment(), flush=True)
+    device = gpu_start("tune_prefix_share")
     copy_bw, mm_rate = measure_ceilings()
     timer = make_timer(device, args.rep_ms)
     rows = []

@@ -42,9 +42,7 @@ one unit of the input precision).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -55,7 +53,6 @@ from cascadeinfer._checks import (
     check_int32_vector,
     check_last_dim_contiguous,
     check_tensor,
-    cuda_num_sms,
     default_sm_scale,
     next_power_of_2,
     same_device,
@@ -64,9 +61,19 @@ from cascadeinfer._checks import (
 from cascadeinfer.kernels import decode_balanced as balanced
 from cascadeinfer.kernels import merge as merge_mod
 from cascadeinfer.kernels.decode_balanced import attend_tile
+from cascadeinfer.kernels import policy
 from cascadeinfer.kernels.constants import LOG2E
+from cascadeinfer.kernels.policy import (
+    MAX_SPLITS,
+    SCHEDULES,
+    DecodeConfig,
+    balanced_num_programs,
+    decode_num_splits,
+    pick_balanced_config,
+    pick_decode_config,
+    pick_decode_schedule,
+)
 from cascadeinfer.kernels.launch import LaunchCache, given, launch, recorded, scratch
-from cascadeinfer.layouts.indptr import host_array
 from cascadeinfer.layouts.page_table import check_pages_in_pool, validate_page_table
 from cascadeinfer.layouts.paged_cache import (
     PagedKV,
@@ -225,234 +232,6 @@ def _decode_kernel(
 
 
 # --------------------------------------------------------------------------- launcher
-
-
-@dataclass(frozen=True, slots=True)
-class DecodeConfig:
-    """Launch parameters of the stage-1 kernel (internal; the benchmarks compare several).
-
-    ``programs_per_sm`` sets the split plan when the caller leaves ``num_splits`` to it
-    (:func:`decode_num_splits`, :func:`balanced_num_programs`): about that many programs
-    per SM, the number of this config's programs that are resident on one SM at once (one
-    wave, no tail). Balanced schedule only: ``min_tokens``, the default plan gives each
-    program at least this many tokens' pages (a batch with few pages runs on fewer
-    programs, the others exit at once); ``pdl``, launch its stage 2 as a programmatic
-    dependent launch where the device has it (CUDA, sm_90+).
-    """
-
-    block_n: int
-    num_warps: int
-    num_stages: int
-    programs_per_sm: int = 2
-    min_tokens: int = 256
-    pdl: bool = True
-
-    def __post_init__(self) -> None:
-        if self.block_n < 16 or self.block_n & (self.block_n - 1):
-            raise ValueError(f"block_n: expected a power of two >= 16, got {self.block_n}")
-        if (self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1 or self.programs_per_sm < 1
-                or self.min_tokens < 1):
-            raise ValueError(f"invalid DecodeConfig {self}")
-
-
-# Variants the benchmarks compare; ``pick_decode_config`` chooses among them. The loop's
-# K/V loads hang off an in-loop page-table load, and Triton 3.6's pipeliner then keeps
-# floor((num_stages - 1) / 2) K/V tiles in flight (seen in the sm_90 TTGIR). sm_90a builds
-# (bf16, D=128, group 4; ptxas -v): n128_w4_s5 235 registers, 137 KiB shared memory ->
-# 1 program per SM, two 64 KiB K+V tiles in flight; n128_w4_s3 235 registers, 73 KiB ->
-# 2 programs per SM (registers), one 64 KiB tile each; n64_w4_s5 144 registers, 70 KiB ->
-# 3 programs per SM, two 32 KiB tiles each; n16_w2_s5 128 registers, 21 KiB -> 8 programs
-# of 2 warps per SM, two 8 KiB tiles each. ``programs_per_sm`` is that residency.
-DECODE_VARIANTS: dict[str, DecodeConfig] = {
-    "n128_w4_s5": DecodeConfig(block_n=128, num_warps=4, num_stages=5, programs_per_sm=1),
-    "n128_w4_s3": DecodeConfig(block_n=128, num_warps=4, num_stages=3, programs_per_sm=2),
-    "n64_w4_s5": DecodeConfig(block_n=64, num_warps=4, num_stages=5, programs_per_sm=3),
-    "n16_w2_s5": DecodeConfig(block_n=16, num_warps=2, num_stages=5, programs_per_sm=8),
-}
-
-DEFAULT_NUM_SMS = 132  # H100/H200 SXM; used for the split plan of CPU tensors
-MAX_SPLITS = 256
-
-
-def _num_sms(device: torch.device) -> int:
-    return cuda_num_sms(device) if device.type == "cuda" else DEFAULT_NUM_SMS
-
-
-def pick_decode_config(head_dim: int, dtype: torch.dtype, page_size: int, *, work: int | None = None,
-                       num_sms: int = DEFAULT_NUM_SMS, group_size: int | None = None) -> DecodeConfig:
-    """The stage-1 launch parameters :func:`batch_decode_paged` uses for these shapes.
-
-    ``work``: ``batch * num_kv_heads``, the programs before any split (None: many). The
-    split count then follows from the config's ``programs_per_sm``
-    (:func:`decode_num_splits`). ``page_size`` does not change the choice today (pages of
-    16 and 64 compile to the same shared-memory footprint); it is part of the key so that
-    it can.
-
-    For fp16/bf16 and head_dim <= 128 the rule aims at one wave of programs (no tail)
-    with about 128 KiB of K/V loads in flight per SM, and as few splits as possible (each
-    adds a merge). Measured on an H200 (benchmarks/NOTES.md): ``work <= SMs``: one
-    n128_w4_s5 program per SM (the splits fill the SMs), unless a 2-per-SM n128_w4_s3 plan
-    keeps >= 1.25x the loads in flight (e.g. work 72: 3 splits instead of 1);
-    ``SMs < work <= 3 SMs``: n64_w4_s5, 3 per SM, 2 splits up to 1.5 SMs, then none;
-    more: n128_w4_s3, no split (many waves of 2 per SM). (n16_w2_s5, 8 small programs
-    per SM, is 4-13% faster alone on short requests (H100: 256x128 0.89 of copy against
-    0.79) and equal at 4K, but as the cascade's suffix level beside the prefix it made
-    (64, 8192, 256) slower, 49 -> 55 us, and flat decode over shared prefix pages 317 ->
-    433 us: benchmarks/NOTES.md.) With ``group_size`` (query heads per kv head) given and at
-    most 4, head_dim 65-128 and ``work >= 7.5 SMs``, n16_w2_s5 after all: its 8 programs
-    per SM keep more loads in flight than a few large tiles when every SM has many
-    programs, and a row of a few pages wastes none of a 16-key tile (H100, bf16, Hq 32 /
-    Hkv 8: cascades at (256, 4096, 160) 118 -> 88 us, (512, 1024, 64) 124 -> 86,
-    (128, 4096, 160) 67 -> 54; (128, 32768, 512) 200 -> 204; below that work,
-    (64, 8192, 256), it lost: 51 -> 59). Other group sizes and head dims keep the rule
-    above until measured.
-    """
-    block_d = max(16, next_power_of_2(head_dim))
-    if dtype == torch.float32:
-        # fp32 "ieee" products run on FMA units and need many registers: 8 warps and 16-key
-        # tiles keep head_dim 128 free of spills (175 registers).
-        return DecodeConfig(block_n=16, num_warps=8, num_stages=5)
-    if block_d >= 256:
-        # twice the bytes per key: half the keys per tile, 8 warps (166 registers, 73 KiB).
-        return DecodeConfig(block_n=32, num_warps=8, num_stages=5)
-    one, two, three = DECODE_VARIANTS["n128_w4_s5"], DECODE_VARIANTS["n128_w4_s3"], DECODE_VARIANTS["n64_w4_s5"]
-    if work is not None and group_size is not None and group_size <= 4 and block_d == 128 and 2 * work >= 15 * num_sms:
-        return DECODE_VARIANTS["n16_w2_s5"]
-    if work is None or work > 3 * num_sms:
-        return two
-    if work > num_sms:
-        return three
-    # in flight: one -> 128 KiB x work x splits(1 per SM); two -> 64 KiB x work x splits(2 per SM)
-    splits_one, splits_two = num_sms // max(1, work), 2 * num_sms // max(1, work)
-    return two if 2 * splits_two >= 5 * splits_one else one
-
-
-def decode_num_splits(batch: int, num_kv_heads: int, device: torch.device | str, *,
-                      programs_per_sm: int | None = None) -> int:
-    """How many KV splits per (request, kv head) :func:`batch_decode_paged` uses by default.
-
-    A plan from shapes only (no look at sequence lengths, so it is CUDA-graph safe): about
-    ``programs_per_sm`` programs on every multiprocessor, i.e.
-    ``floor(num_sms * programs_per_sm / (batch * num_kv_heads))`` clamped to ``[1, 256]``,
-    and no split once ``batch * num_kv_heads`` exceeds 1.5x the SM count.
-    ``programs_per_sm=None`` takes it from the config :func:`pick_decode_config` picks for
-    fp16/bf16 with head_dim <= 128 (the plan those inputs get; fp32 and larger head dims
-    use 2). The multiprocessor count is read once per device (132 for CPU tensors).
-    """
-    if batch < 0 or num_kv_heads < 1:
-        raise ValueError(f"batch, num_kv_heads: expected >= 0 and >= 1, got {batch}, {num_kv_heads}")
-    dev = torch.device(device)
-    work = max(1, batch * num_kv_heads)
-    num_sms = _num_sms(dev)
-    if 2 * work > 3 * num_sms:
-        # Past 1.5 pairs per SM a split only adds a merge (what the configs' residencies
-        # gave already; n16_w2_s5, 8 per SM, lost 1-12% at 2 splits on 64x4K and 64x256).
-        return 1
-    if programs_per_sm is None:
-        programs_per_sm = pick_decode_config(128, torch.bfloat16, 16, work=work, num_sms=num_sms).programs_per_sm
-    return max(1, min(MAX_SPLITS, num_sms * programs_per_sm // work))
-
-
-# The balanced schedule's variants (sm_90a builds of its kernel, bf16, D=128, group 4:
-# n128_w4_s5 168 registers, 137 KiB of shared memory -> 1 program per SM with two 64 KiB
-# K+V tiles in flight; n128_w4_s3 168 registers, 73 KiB -> up to 3 per SM).
-BALANCED_VARIANTS: dict[str, DecodeConfig] = {
-    "n128_w4_s5": DecodeConfig(block_n=128, num_warps=4, num_stages=5, programs_per_sm=1),
-    "n128_w4_s3x2": DecodeConfig(block_n=128, num_warps=4, num_stages=3, programs_per_sm=2),
-    "n128_w4_s3x3": DecodeConfig(block_n=128, num_warps=4, num_stages=3, programs_per_sm=3),
-}
-
-
-def pick_balanced_config(head_dim: int, dtype: torch.dtype, *, num_kv_heads: int,
-                         num_sms: int = DEFAULT_NUM_SMS) -> DecodeConfig:
-    """The balanced schedule's launch parameters for these shapes.
-
-    fp16/bf16, head_dim 65..128: n128_w4_s5, one program per SM with two 64 KiB K+V tiles
-    in flight (~128 KiB per SM saturates HBM): 16 programs per kv head at 132 SMs and 8 kv
-    heads. Fewer, longer programs cross fewer request boundaries, where a program's K/V
-    pipeline drains and refills (H100, 16 shapes: best of six one-wave plans or within
-    0.5% of it at 14). When ``floor(num_sms / num_kv_heads)`` programs per kv head leave
-    more than a tenth of the SMs idle (e.g. 48 kv heads: 96 of 132), n128_w4_s3 at 2 or 3
-    per SM, whichever fills the wave better (not timed).
-    """
-    block_d = max(16, next_power_of_2(head_dim))
-    if dtype == torch.float32:
-        # fp32 "ieee" products run on FMA units: 8 warps and 16-key tiles.
-        return DecodeConfig(block_n=16, num_warps=8, num_stages=5)
-    if block_d >= 256:
-        # twice the bytes per key: half the keys per tile, 8 warps (2 per SM).
-        return DecodeConfig(block_n=32, num_warps=8, num_stages=5)
-    if block_d <= 64:
-        # half the bytes per key: two programs per SM keep ~128 KiB of K/V in flight.
-        return DecodeConfig(block_n=128, num_warps=4, num_stages=5, programs_per_sm=2)
-    heads = max(1, num_kv_heads)
-    if heads > num_sms or (num_sms // heads) * heads >= 0.9 * num_sms:
-        return BALANCED_VARIANTS["n128_w4_s5"]
-
-    def filled(per_sm: int) -> float:  # busy fraction of a wave of per_sm programs per SM
-        return (per_sm * num_sms // heads) * heads / (per_sm * num_sms)
-
-    return BALANCED_VARIANTS["n128_w4_s3x2" if filled(2) >= filled(3) else "n128_w4_s3x3"]
-
-
-def balanced_num_programs(num_kv_heads: int, device: torch.device | str, *,
-                          programs_per_sm: int | None = None) -> int:
-    """Programs per kv head (``P``) of the balanced schedule's default plan: one wave,
-    ``floor(num_sms * programs_per_sm / num_kv_heads)`` clamped to ``[1, 4096]``, from
-    shapes only (CUDA-graph safe). ``programs_per_sm=None`` takes it from
-    :func:`pick_balanced_config` for bf16, head_dim 128."""
-    if num_kv_heads < 1:
-        raise ValueError(f"num_kv_heads: expected >= 1, got {num_kv_heads}")
-    num_sms = _num_sms(torch.device(device))
-    if programs_per_sm is None:
-        programs_per_sm = pick_balanced_config(128, torch.bfloat16, num_kv_heads=num_kv_heads,
-                                               num_sms=num_sms).programs_per_sm
-    return max(1, min(balanced.MAX_PROGRAMS, num_sms * programs_per_sm // num_kv_heads))
-
-
-SCHEDULES = ("per_request", "balanced")
-# The per-request plan is kept while its busiest SM has at most 1/0.9 of the average work
-# (H100, bf16 Hq 32 Hkv 8 D 128, fraction of copy, per-request vs balanced: 17x8K 0.83 vs
-# 0.95 (fill 0.69), 40x4K 0.94 vs 0.96 (0.81), 100x4K 0.95 vs 0.99 (0.87); 64x4K 0.997 vs
-# 0.986 (0.97), 256x4K 1.016 vs 1.003 (0.97), 16x4K 0.957 vs 0.939 (one wave)).
-_MIN_WAVE_FILL = 0.9
-# ... and while the requests' mean length is at least this fraction of the longest
-# (1 x 64K + 63 x 1K: per-request 0.16 of copy, balanced 0.90).
-_MIN_LENGTH_BALANCE = 0.8
-
-
-def pick_decode_schedule(batch: int, num_kv_heads: int, device: torch.device | str, *, head_dim: int = 128,
-                         dtype: torch.dtype = torch.bfloat16, seq_lens=None) -> str:
-    """``"per_request"`` or ``"balanced"``: the schedule :func:`batch_decode_paged` uses.
-
-    From shapes: the per-request plan (:func:`pick_decode_config`, :func:`decode_num_splits`)
-    gives every program the same work, so with more programs than SMs the busiest SM gets
-    ``ceil(programs / num_sms)`` of them against ``programs / num_sms`` on average; below
-    0.9 of that, balanced. (At one program per SM or fewer no SM waits on another.)
-    ``seq_lens`` (optional, host ints, a numpy array or a CPU tensor, ``[batch]`` tokens per request):
-    when their mean is under 0.8 of the longest, the per-request plan waits on the long
-    requests' programs: balanced. Reading lengths needs them on the host, so only callers
-    that have them (a planner) pass them.
-    """
-    if batch < 0 or num_kv_heads < 1:
-        raise ValueError(f"batch, num_kv_heads: expected >= 0 and >= 1, got {batch}, {num_kv_heads}")
-    num_sms = _num_sms(torch.device(device))
-    work = max(1, batch * num_kv_heads)
-    cfg = pick_decode_config(head_dim, dtype, 16, work=work, num_sms=num_sms)
-    programs = work * decode_num_splits(batch, num_kv_heads, device, programs_per_sm=cfg.programs_per_sm)
-    if programs > num_sms:
-        per_sm = programs / num_sms
-        if per_sm / math.ceil(per_sm) < _MIN_WAVE_FILL:
-            return "balanced"
-    if seq_lens is not None:
-        # numpy: a planner calls this on every re-plan, and a torch op costs several µs.
-        lens = np.asarray(host_array(seq_lens), dtype=np.float64).reshape(-1)
-        if lens.size != batch:
-            raise ValueError(f"seq_lens: expected {batch} lengths, got {lens.size}")
-        longest = float(lens.max()) if batch else 0.0
-        if longest > 0 and float(lens.sum()) / batch < _MIN_LENGTH_BALANCE * longest:
-            return "balanced"
-    return "per_request"
 
 
 def _check_page_table(
@@ -614,7 +393,7 @@ def _launch_balanced(q, kv: PagedKV, kv_indptr, kv_indices, kv_last_page_len, ou
     """The balanced schedule (:mod:`cascadeinfer.kernels.decode_balanced`), checked inputs."""
     device = q.device
     cfg = config if config is not None else pick_balanced_config(
-        q.shape[2], q.dtype, num_kv_heads=kv.num_kv_heads, num_sms=_num_sms(device))
+        q.shape[2], q.dtype, num_kv_heads=kv.num_kv_heads, num_sms=policy.planning_sms(device))
     if num_splits is None:
         programs = balanced_num_programs(kv.num_kv_heads, device, programs_per_sm=cfg.programs_per_sm)
         min_pages = triton.cdiv(cfg.min_tokens, kv.page_size)
@@ -632,7 +411,7 @@ def _launch_per_request(q, kv: PagedKV, kv_indptr, kv_indices, kv_last_page_len,
     device = q.device
     batch, num_qo_heads, head_dim = q.shape
     cfg = config if config is not None else pick_decode_config(
-        head_dim, q.dtype, kv.page_size, work=batch * kv.num_kv_heads, num_sms=_num_sms(device),
+        head_dim, q.dtype, kv.page_size, work=batch * kv.num_kv_heads, num_sms=policy.planning_sms(device),
         group_size=num_qo_heads // kv.num_kv_heads)
     if num_splits is None:
         num_splits = decode_num_splits(batch, kv.num_kv_heads, device, programs_per_sm=cfg.programs_per_sm)

@@ -71,13 +71,21 @@ from cascadeinfer._checks import (
     check_int32_vector,
     check_last_dim_contiguous,
     check_tensor,
-    cuda_num_sms,
     default_sm_scale,
-    next_power_of_2,
     same_device,
     use_triton,
 )
 from cascadeinfer.kernels.constants import LOG2E
+from cascadeinfer.kernels.policy import (
+    AddressPath,
+    TileConfig,
+    default_address_path,
+    default_num_splits,
+    exact_address_path,
+    groups_tile_config,
+    num_m_tiles,
+    padded_head_dim,
+)
 from cascadeinfer.kernels.launch import LaunchCache, given, launch, recorded, scratch
 from cascadeinfer.kernels.merge import finish_state, merge_states
 from cascadeinfer.kernels.reference import attention_state_ref
@@ -494,115 +502,6 @@ def _prefill_kernel(
 # --------------------------------------------------------------------------------------
 
 MAX_HEAD_DIM = 256
-_MIN_KEYS_PER_SPLIT = 256  # a split shorter than this costs more in merge traffic than it gains
-
-
-@dataclass(frozen=True, slots=True)
-class TileConfig:
-    """Tile sizes and launch options of the prefill kernel (powers of two, >= 16)."""
-
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-
-    def __post_init__(self) -> None:
-        for name in ("block_m", "block_n"):
-            x = getattr(self, name)
-            if x < 16 or x & (x - 1):
-                raise ValueError(f"TileConfig.{name}: expected a power of two >= 16, got {x}")
-
-
-def _block_d(head_dim: int) -> int:
-    return max(16, next_power_of_2(head_dim))
-
-
-def default_tile_config(head_dim: int, dtype: torch.dtype, rows_per_group: int | None = None) -> TileConfig:
-    """Tiles for Hopper (227 KiB shared memory, 255 registers per thread), from shapes only.
-
-    ``rows_per_group`` is the average number of packed rows (queries × query heads per KV
-    head) of a group, ``None`` for many. Shared memory per program is about ``(BLOCK_M +
-    2 * stages * BLOCK_N) * BLOCK_D * itemsize``; the float32 accumulator ``BLOCK_M x
-    BLOCK_D`` lives in registers. Every choice below was compiled for sm_90 and keeps its
-    key loop free of register spills (ptxas -v, SASS); fp16/bf16 tiles of 64+ rows use
-    ``wgmma``. Float32 with ``input_precision="ieee"`` runs on FMA units, which hold both
-    operands in registers, hence its small tiles. Measured on an H200 (benchmarks/NOTES.md):
-    128x128 with 3 stages is the fastest for long shared prefixes (0.49-0.65 of the bf16
-    matmul rate vs 0.31-0.35 for the former 128x64 default); groups of a few rows (cascade
-    middle levels, decode-like groups) get tiles of 16-64 rows instead of padding 128.
-    """
-    block_d = _block_d(head_dim)
-    rows = 1 << 30 if rows_per_group is None else rows_per_group
-    if dtype == torch.float32:
-        if block_d <= 64:
-            return TileConfig(32, 16, 4, 2)
-        return TileConfig(32, 16, 8, 2) if block_d <= 128 else TileConfig(16, 16, 8, 2)
-    if block_d <= 128:
-        if rows <= 16:
-            return TileConfig(16, 64, 4, 3)  # mma.sync, 128 registers: 3 programs per SM
-        if rows <= 32:
-            return TileConfig(32, 64, 4, 3)
-        if rows <= 64:
-            return TileConfig(64, 64, 4, 3)  # 112 KiB shared, 214 registers: 2 programs per SM
-        return TileConfig(128, 128, 8, 3)  # D=128: 224 KiB shared, 255 registers, no spill in the loop
-    if rows <= 16:
-        return TileConfig(16, 32, 4, 3)  # D=256
-    return TileConfig(128, 32, 8, 3)  # D=256: 160 KiB shared, 255 registers
-
-
-def _num_sms(device: torch.device) -> int:
-    # The interpreter runs programs one after another: splitting buys nothing there.
-    return cuda_num_sms(device) if device.type == "cuda" else 1
-
-
-def num_m_tiles(nnz_qo: int, num_groups: int, group_size: int, block_m: int) -> int:
-    """Upper bound on the M tiles of all groups (the grid's first dimension), from shapes.
-
-    Group ``g`` starts at tile ``(qo_indptr[g] * G + g * (block_m - 1)) // block_m``; its
-    tiles never reach the next group's start, and the last group's end is at most this.
-    """
-    return (nnz_qo * group_size + num_groups * (block_m - 1)) // block_m
-
-
-def default_num_splits(num_tiles: int, num_kv_heads: int, max_kv_len: int, device: torch.device,
-                       sm_share: float = 1.0) -> int:
-    """KV splits per group, from shapes only (never from indptr contents).
-
-    Without splitting the grid has ``num_tiles * num_kv_heads`` programs. When that is
-    below the SM count, split each group's KV into as many chunks as keep the grid within
-    one wave (``sms // programs``), but no chunk shorter than ``_MIN_KEYS_PER_SPLIT`` keys
-    of the longest possible group (``max_kv_len``, an upper bound from the shapes).
-    ``sm_share < 1`` sizes the grid to the program count nearest that share of the SMs
-    (the rest run another stream's work), never above one wave.
-    """
-    programs = max(1, num_tiles * num_kv_heads)
-    sms = _num_sms(device)
-    if programs >= sms:
-        return 1
-    splits = sms // programs
-    if sm_share < 1:
-        target = sm_share * sms
-        lo = max(1, int(target // programs))
-        splits = min(splits, lo if target - lo * programs <= (lo + 1) * programs - target else lo + 1)
-    return max(1, min(splits, max_kv_len // _MIN_KEYS_PER_SPLIT))
-
-
-def groups_tile_config(nnz_qo: int, num_groups: int, group_size: int, head_dim: int,
-                       dtype: torch.dtype) -> TileConfig:
-    """The tiles the launchers pick for ``nnz_qo`` queries in ``num_groups`` groups: those of
-    the average packed rows per group (``nnz_qo * group_size / num_groups``, from shapes)."""
-    return default_tile_config(head_dim, dtype, -(-nnz_qo * group_size // max(1, num_groups)))
-
-
-def paged_num_splits(nnz_qo: int, num_groups: int, num_qo_heads: int, num_kv_heads: int, head_dim: int,
-                     dtype: torch.dtype, max_kv_len: int, device: torch.device, sm_share: float = 1.0) -> int:
-    """The split count :func:`batch_prefill_paged` takes by default for these shapes, or for
-    a grid sized to ``sm_share`` of the SMs (pass the result as ``num_splits``)."""
-    config = groups_tile_config(nnz_qo, num_groups, num_qo_heads // num_kv_heads, head_dim, dtype)
-    tiles = num_m_tiles(nnz_qo, num_groups, num_qo_heads // num_kv_heads, config.block_m)
-    return default_num_splits(tiles, num_kv_heads, max_kv_len, device, sm_share)
-
-
 @dataclass(frozen=True, slots=True)
 class _KVSource:
     """The KV side as the kernel sees it: base tensors, (page, token, head) strides and,
@@ -636,73 +535,6 @@ def _grid_tiles(q: torch.Tensor, qo_indptr: torch.Tensor | None, kv: _KVSource, 
     """``(num_groups, M tiles of the grid)``; ``qo_indptr is None`` is one group."""
     num_groups = 1 if qo_indptr is None else qo_indptr.shape[0] - 1
     return num_groups, num_m_tiles(q.shape[0], num_groups, q.shape[1] // kv.num_kv_heads, config.block_m)
-
-
-_INT32_OFFSET_LIMIT = 2**31  # row offsets computed in int32 must stay below this
-
-
-@dataclass(frozen=True, slots=True)
-class AddressPath:
-    """How the unmasked key loop forms K/V row addresses (the kernel's address switches).
-
-    ``offsets_32``: row offsets (``page * stride_page + slot * stride_token``, or ``token *
-    stride_token`` for ragged K/V) in int32 instead of int64: one IMAD per row instead of a
-    64-bit multiply-add, and 32-bit offsets live across the softmax instead of 64-bit
-    pointers. Only where every offset fits (:func:`exact_address_path`).
-    ``aligned_pages``: paged K/V with ``block_n % page_size == 0``: each row's slot offset and
-    page position are loop invariants (every tile starts on a page boundary), so per tile
-    only a scalar moves. The launcher picks both from shapes; tests and benchmarks force them.
-    """
-
-    offsets_32: bool
-    aligned_pages: bool
-
-
-def _max_element_offset(t: torch.Tensor) -> int:
-    """The largest element offset from ``t``'s first element that indexing ``t`` forms."""
-    if t.numel() == 0:
-        return 0
-    return sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-
-
-def exact_address_path(kv: _KVSource, config: TileConfig) -> AddressPath:
-    """Every address switch that is exact for these shapes (host side, from shapes and
-    strides only: no sync, CUDA-graph safe); a forced path may use at most these.
-
-    int32 offsets are safe when the largest element offset of the K and V views (the
-    paged pool ``[num_pages, page_size, Hkv, D]`` in its layout, or ragged ``[nnz_kv, Hkv,
-    D]``), i.e. ``sum((size - 1) * stride)``, is below 2**31. Every offset the kernel forms
-    in int32 is at most that: a paged row offset ``page * stride_page + slot *
-    stride_token`` (valid page ids are ``< num_pages``, the page-id loads never read past
-    the group's pages, and strides are non-negative) or a ragged ``t * stride_token`` with
-    ``t`` below the group's length, counted from the group's first key, whose offset is
-    added to the base pointer in int64 like the KV head's. Pools of 2**31 elements or more
-    keep the int64 path.
-    """
-    extent = max(_max_element_offset(kv.k), _max_element_offset(kv.v))
-    return AddressPath(offsets_32=extent < _INT32_OFFSET_LIMIT,
-                       aligned_pages=kv.paged and config.block_n % kv.page_size == 0)
-
-
-def default_address_path(kv: _KVSource, config: TileConfig) -> AddressPath:
-    """The address path the launcher takes: of the exact switches
-    (:func:`exact_address_path`), the ones measured fastest for the tile.
-
-    H100, bf16 Hq 32 Hkv 8 D 128 page 16, one group (benchmarks/tools/tune_prefix_offsets.py,
-    fraction of matmul at n 128-512 x L 8K-32K): 128-row tiles, int64 0.47-0.61, int32
-    0.52-0.65, hoisted page math alone 0.55-0.68, both 0.53-0.66: the hoisting alone, or
-    int32 where pages do not align. 64-row tiles: both (the Hkv 32 cascade at (64, 8192,
-    256) unchanged, 150.5 us against 150.8). 16- and 32-row tiles (bandwidth-bound
-    decode-like groups): neither; both made the Hkv 32 cascade at (16, 65536, 1024) 8%
-    slower (489 us against 452).
-    """
-    exact = exact_address_path(kv, config)
-    if config.block_m >= 128:
-        return AddressPath(offsets_32=exact.offsets_32 and not exact.aligned_pages,
-                           aligned_pages=exact.aligned_pages)
-    if config.block_m >= 64:
-        return exact
-    return AddressPath(offsets_32=False, aligned_pages=False)
 
 
 def _launch(
@@ -759,7 +591,7 @@ def _launch(
         HEAD_DIM=head_dim,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
-        BLOCK_D=_block_d(head_dim),
+        BLOCK_D=padded_head_dim(head_dim),
         PAGED=kv.paged,
         CAUSAL=causal,
         ONE_GROUP=one_group,

@@ -1,0 +1,447 @@
+"""Launch policy of the attention kernels: which tiles, how many KV splits, which schedule.
+
+Every rule here reads shapes only (never tensor contents: the launches stay CUDA-graph
+safe), and every choice is measured: the comments say on which device, at which shapes
+and against what (benchmarks/NOTES.md has the sweeps). The kernels' launchers apply
+these rules; planners call the same public functions to size work ahead of a launch
+(``cascade.plan`` sizes the prefix level's grid beside the decode with
+:func:`paged_num_splits`).
+
+* Prefill (``kernels/prefill.py``): :class:`TileConfig` and :func:`default_tile_config`
+  (tiles from head_dim, dtype and rows per group), :func:`default_num_splits` (KV splits
+  that fill one wave), :class:`AddressPath` (the key loop's address arithmetic).
+* Decode (``kernels/decode.py``, ``kernels/decode_balanced.py``): :class:`DecodeConfig`,
+  the measured variants, :func:`pick_decode_config`, :func:`decode_num_splits`,
+  :func:`pick_balanced_config`, :func:`balanced_num_programs` and
+  :func:`pick_decode_schedule`.
+
+SM counts come from :func:`planning_sms`: a CUDA device's own; for CPU tensors (the
+interpreter) the H100/H200's 132, so that CPU tests check the plan a GPU gets.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from cascadeinfer._checks import cuda_num_sms, next_power_of_2
+from cascadeinfer.kernels.decode_balanced import MAX_PROGRAMS as MAX_BALANCED_PROGRAMS
+from cascadeinfer.layouts.indptr import host_array
+
+REFERENCE_SMS = 132  # H100/H200 SXM: the SM count CPU tensors are planned for
+_MIN_KEYS_PER_SPLIT = 256  # a prefill split shorter than this costs more in merge traffic than it gains
+
+
+def planning_sms(device: torch.device) -> int:
+    """Multiprocessors the plans fill: the CUDA device's, or :data:`REFERENCE_SMS` for CPU
+    tensors (the interpreter runs the GPU's plan, program by program)."""
+    return cuda_num_sms(device) if device.type == "cuda" else REFERENCE_SMS
+
+
+# ---------------------------------------------------------------------------------- prefill
+
+
+@dataclass(frozen=True, slots=True)
+class TileConfig:
+    """Tile sizes and launch options of the prefill kernel (powers of two, >= 16)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n"):
+            x = getattr(self, name)
+            if x < 16 or x & (x - 1):
+                raise ValueError(f"TileConfig.{name}: expected a power of two >= 16, got {x}")
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The kernels' BLOCK_D: head_dim padded to the next power of two (at least 16)."""
+    return max(16, next_power_of_2(head_dim))
+
+
+def default_tile_config(head_dim: int, dtype: torch.dtype, rows_per_group: int | None = None) -> TileConfig:
+    """Tiles for Hopper (227 KiB shared memory, 255 registers per thread), from shapes only.
+
+    ``rows_per_group`` is the average number of packed rows (queries × query heads per KV
+    head) of a group, ``None`` for many. Shared memory per program is about ``(BLOCK_M +
+    2 * stages * BLOCK_N) * BLOCK_D * itemsize``; the float32 accumulator ``BLOCK_M x
+    BLOCK_D`` lives in registers. Every choice below was compiled for sm_90 and keeps its
+    key loop free of register spills (ptxas -v, SASS); fp16/bf16 tiles of 64+ rows use
+    ``wgmma``. Float32 with ``input_precision="ieee"`` runs on FMA units, which hold both
+    operands in registers, hence its small tiles. Measured on an H200 (benchmarks/NOTES.md):
+    128x128 with 3 stages is the fastest for long shared prefixes (0.49-0.65 of the bf16
+    matmul rate vs 0.31-0.35 for the former 128x64 default); groups of a few rows (cascade
+    middle levels, decode-like groups) get tiles of 16-64 rows instead of padding 128.
+    """
+    block_d = padded_head_dim(head_dim)
+    rows = 1 << 30 if rows_per_group is None else rows_per_group
+    fp32 = dtype == torch.float32
+    for is_fp32, max_block_d, max_rows, config in PREFILL_TILES:
+        if is_fp32 == fp32 and block_d <= max_block_d and (max_rows is None or rows <= max_rows):
+            return config
+    raise ValueError(f"head_dim: no prefill tiles for {head_dim} (at most 256)")
+
+
+# The table default_tile_config reads, first match wins: (float32?, largest BLOCK_D, most
+# packed rows per group or None for any, tiles). Resources from sm_90 builds (ptxas -v),
+# speed from bench_prefix and the cascade benchmarks (benchmarks/NOTES.md, "Prefix /
+# prefill kernel").
+PREFILL_TILES: tuple[tuple[bool, int, int | None, TileConfig], ...] = (
+    (True, 64, None, TileConfig(32, 16, 4, 2)),  # float32 "ieee": FMA units, operands in registers
+    (True, 128, None, TileConfig(32, 16, 8, 2)),
+    (True, 256, None, TileConfig(16, 16, 8, 2)),
+    (False, 128, 16, TileConfig(16, 64, 4, 3)),  # mma.sync, 128 registers: 3 programs per SM
+    (False, 128, 32, TileConfig(32, 64, 4, 3)),
+    (False, 128, 64, TileConfig(64, 64, 4, 3)),  # 112 KiB shared, 214 registers: 2 programs per SM
+    (False, 128, None, TileConfig(128, 128, 8, 3)),  # 224 KiB shared, 255 registers, no spill in the loop
+    (False, 256, 16, TileConfig(16, 32, 4, 3)),
+    (False, 256, None, TileConfig(128, 32, 8, 3)),  # 160 KiB shared, 255 registers
+)
+
+
+def num_m_tiles(nnz_qo: int, num_groups: int, group_size: int, block_m: int) -> int:
+    """Upper bound on the M tiles of all groups (the grid's first dimension), from shapes.
+
+    Group ``g`` starts at tile ``(qo_indptr[g] * G + g * (block_m - 1)) // block_m``; its
+    tiles never reach the next group's start, and the last group's end is at most this.
+    """
+    return (nnz_qo * group_size + num_groups * (block_m - 1)) // block_m
+
+
+def default_num_splits(num_tiles: int, num_kv_heads: int, max_kv_len: int, device: torch.device,
+                       sm_share: float = 1.0) -> int:
+    """KV splits per group, from shapes only (never from indptr contents).
+
+    Without splitting the grid has ``num_tiles * num_kv_heads`` programs. When that is
+    below the SM count, split each group's KV into as many chunks as keep the grid within
+    one wave (``sms // programs``), but no chunk shorter than ``_MIN_KEYS_PER_SPLIT`` keys
+    of the longest possible group (``max_kv_len``, an upper bound from the shapes).
+    ``sm_share < 1`` sizes the grid to the program count nearest that share of the SMs
+    (the rest run another stream's work), never above one wave.
+    """
+    programs = max(1, num_tiles * num_kv_heads)
+    sms = planning_sms(device)
+    if programs >= sms:
+        return 1
+    splits = sms // programs
+    if sm_share < 1:
+        target = sm_share * sms
+        lo = max(1, int(target // programs))
+        splits = min(splits, lo if target - lo * programs <= (lo + 1) * programs - target else lo + 1)
+    return max(1, min(splits, max_kv_len // _MIN_KEYS_PER_SPLIT))
+
+
+def groups_tile_config(nnz_qo: int, num_groups: int, group_size: int, head_dim: int,
+                       dtype: torch.dtype) -> TileConfig:
+    """The tiles the launchers pick for ``nnz_qo`` queries in ``num_groups`` groups: those of
+    the average packed rows per group (``nnz_qo * group_size / num_groups``, from shapes)."""
+    return default_tile_config(head_dim, dtype, -(-nnz_qo * group_size // max(1, num_groups)))
+
+
+def paged_num_splits(nnz_qo: int, num_groups: int, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+                     dtype: torch.dtype, max_kv_len: int, device: torch.device, sm_share: float = 1.0) -> int:
+    """The split count :func:`batch_prefill_paged` takes by default for these shapes, or for
+    a grid sized to ``sm_share`` of the SMs (pass the result as ``num_splits``)."""
+    config = groups_tile_config(nnz_qo, num_groups, num_qo_heads // num_kv_heads, head_dim, dtype)
+    tiles = num_m_tiles(nnz_qo, num_groups, num_qo_heads // num_kv_heads, config.block_m)
+    return default_num_splits(tiles, num_kv_heads, max_kv_len, device, sm_share)
+
+
+_INT32_OFFSET_LIMIT = 2**31  # row offsets computed in int32 must stay below this
+
+
+@dataclass(frozen=True, slots=True)
+class AddressPath:
+    """How the unmasked key loop forms K/V row addresses (the kernel's address switches).
+
+    ``offsets_32``: row offsets (``page * stride_page + slot * stride_token``, or ``token *
+    stride_token`` for ragged K/V) in int32 instead of int64: one IMAD per row instead of a
+    64-bit multiply-add, and 32-bit offsets live across the softmax instead of 64-bit
+    pointers. Only where every offset fits (:func:`exact_address_path`).
+    ``aligned_pages``: paged K/V with ``block_n % page_size == 0``: each row's slot offset and
+    page position are loop invariants (every tile starts on a page boundary), so per tile
+    only a scalar moves. The launcher picks both from shapes; tests and benchmarks force them.
+    """
+
+    offsets_32: bool
+    aligned_pages: bool
+
+
+def _max_element_offset(t: torch.Tensor) -> int:
+    """The largest element offset from ``t``'s first element that indexing ``t`` forms."""
+    if t.numel() == 0:
+        return 0
+    return sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+
+
+def exact_address_path(kv, config: TileConfig) -> AddressPath:
+    """Every address switch that is exact for these shapes (host side, from shapes and
+    strides only: no sync, CUDA-graph safe); a forced path may use at most these. ``kv``:
+    the prefill launcher's KV source (its ``k`` and ``v`` views, ``paged``, ``page_size``).
+
+    int32 offsets are safe when the largest element offset of the K and V views (the
+    paged pool ``[num_pages, page_size, Hkv, D]`` in its layout, or ragged ``[nnz_kv, Hkv,
+    D]``), i.e. ``sum((size - 1) * stride)``, is below 2**31. Every offset the kernel forms
+    in int32 is at most that: a paged row offset ``page * stride_page + slot *
+    stride_token`` (valid page ids are ``< num_pages``, the page-id loads never read past
+    the group's pages, and strides are non-negative) or a ragged ``t * stride_token`` with
+    ``t`` below the group's length, counted from the group's first key, whose offset is
+    added to the base pointer in int64 like the KV head's. Pools of 2**31 elements or more
+    keep the int64 path.
+    """
+    extent = max(_max_element_offset(kv.k), _max_element_offset(kv.v))
+    return AddressPath(offsets_32=extent < _INT32_OFFSET_LIMIT,
+                       aligned_pages=kv.paged and config.block_n % kv.page_size == 0)
+
+
+def default_address_path(kv, config: TileConfig) -> AddressPath:
+    """The address path the launcher takes: of the exact switches
+    (:func:`exact_address_path`), the ones measured fastest for the tile.
+
+    H100, bf16 Hq 32 Hkv 8 D 128 page 16, one group (benchmarks/tools/tune_prefix_offsets.py,
+    fraction of matmul at n 128-512 x L 8K-32K): 128-row tiles, int64 0.47-0.61, int32
+    0.52-0.65, hoisted page math alone 0.55-0.68, both 0.53-0.66: the hoisting alone, or
+    int32 where pages do not align. 64-row tiles: both (the Hkv 32 cascade at (64, 8192,
+    256) unchanged, 150.5 us against 150.8). 16- and 32-row tiles (bandwidth-bound
+    decode-like groups): neither; both made the Hkv 32 cascade at (16, 65536, 1024) 8%
+    slower (489 us against 452).
+    """
+    exact = exact_address_path(kv, config)
+    if config.block_m >= 128:
+        return AddressPath(offsets_32=exact.offsets_32 and not exact.aligned_pages,
+                           aligned_pages=exact.aligned_pages)
+    if config.block_m >= 64:
+        return exact
+    return AddressPath(offsets_32=False, aligned_pages=False)
+
+
+# ---------------------------------------------------------------------------------- decode
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeConfig:
+    """Launch parameters of the stage-1 kernel (internal; the benchmarks compare several).
+
+    ``programs_per_sm`` sets the split plan when the caller leaves ``num_splits`` to it
+    (:func:`decode_num_splits`, :func:`balanced_num_programs`): about that many programs
+    per SM, the number of this config's programs that are resident on one SM at once (one
+    wave, no tail). Balanced schedule only: ``min_tokens``, the default plan gives each
+    program at least this many tokens' pages (a batch with few pages runs on fewer
+    programs, the others exit at once); ``pdl``, launch its stage 2 as a programmatic
+    dependent launch where the device has it (CUDA, sm_90+).
+    """
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+    programs_per_sm: int = 2
+    min_tokens: int = 256
+    pdl: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_n < 16 or self.block_n & (self.block_n - 1):
+            raise ValueError(f"block_n: expected a power of two >= 16, got {self.block_n}")
+        if (self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1 or self.programs_per_sm < 1
+                or self.min_tokens < 1):
+            raise ValueError(f"invalid DecodeConfig {self}")
+
+
+# Variants the benchmarks compare; ``pick_decode_config`` chooses among them. The loop's
+# K/V loads hang off an in-loop page-table load, and Triton 3.6's pipeliner then keeps
+# floor((num_stages - 1) / 2) K/V tiles in flight (seen in the sm_90 TTGIR). sm_90a builds
+# (bf16, D=128, group 4; ptxas -v): n128_w4_s5 235 registers, 137 KiB shared memory ->
+# 1 program per SM, two 64 KiB K+V tiles in flight; n128_w4_s3 235 registers, 73 KiB ->
+# 2 programs per SM (registers), one 64 KiB tile each; n64_w4_s5 144 registers, 70 KiB ->
+# 3 programs per SM, two 32 KiB tiles each; n16_w2_s5 128 registers, 21 KiB -> 8 programs
+# of 2 warps per SM, two 8 KiB tiles each. ``programs_per_sm`` is that residency.
+DECODE_VARIANTS: dict[str, DecodeConfig] = {
+    "n128_w4_s5": DecodeConfig(block_n=128, num_warps=4, num_stages=5, programs_per_sm=1),
+    "n128_w4_s3": DecodeConfig(block_n=128, num_warps=4, num_stages=3, programs_per_sm=2),
+    "n64_w4_s5": DecodeConfig(block_n=64, num_warps=4, num_stages=5, programs_per_sm=3),
+    "n16_w2_s5": DecodeConfig(block_n=16, num_warps=2, num_stages=5, programs_per_sm=8),
+}
+
+MAX_SPLITS = 256
+
+
+def pick_decode_config(head_dim: int, dtype: torch.dtype, page_size: int, *, work: int | None = None,
+                       num_sms: int = REFERENCE_SMS, group_size: int | None = None) -> DecodeConfig:
+    """The stage-1 launch parameters :func:`batch_decode_paged` uses for these shapes.
+
+    ``work``: ``batch * num_kv_heads``, the programs before any split (None: many). The
+    split count then follows from the config's ``programs_per_sm``
+    (:func:`decode_num_splits`). ``page_size`` does not change the choice today (pages of
+    16 and 64 compile to the same shared-memory footprint); it is part of the key so that
+    it can.
+
+    For fp16/bf16 and head_dim <= 128 the rule aims at one wave of programs (no tail)
+    with about 128 KiB of K/V loads in flight per SM, and as few splits as possible (each
+    adds a merge). Measured on an H200 (benchmarks/NOTES.md): ``work <= SMs``: one
+    n128_w4_s5 program per SM (the splits fill the SMs), unless a 2-per-SM n128_w4_s3 plan
+    keeps >= 1.25x the loads in flight (e.g. work 72: 3 splits instead of 1);
+    ``SMs < work <= 3 SMs``: n64_w4_s5, 3 per SM, 2 splits up to 1.5 SMs, then none;
+    more: n128_w4_s3, no split (many waves of 2 per SM). (n16_w2_s5, 8 small programs
+    per SM, is 4-13% faster alone on short requests (H100: 256x128 0.89 of copy against
+    0.79) and equal at 4K, but as the cascade's suffix level beside the prefix it made
+    (64, 8192, 256) slower, 49 -> 55 us, and flat decode over shared prefix pages 317 ->
+    433 us: benchmarks/NOTES.md.) With ``group_size`` (query heads per kv head) given and at
+    most 4, head_dim 65-128 and ``work >= 7.5 SMs``, n16_w2_s5 after all: its 8 programs
+    per SM keep more loads in flight than a few large tiles when every SM has many
+    programs, and a row of a few pages wastes none of a 16-key tile (H100, bf16, Hq 32 /
+    Hkv 8: cascades at (256, 4096, 160) 118 -> 88 us, (512, 1024, 64) 124 -> 86,
+    (128, 4096, 160) 67 -> 54; (128, 32768, 512) 200 -> 204; below that work,
+    (64, 8192, 256), it lost: 51 -> 59). Other group sizes and head dims keep the rule
+    above until measured.
+    """
+    block_d = max(16, next_power_of_2(head_dim))
+    if dtype == torch.float32:
+        # fp32 "ieee" products run on FMA units and need many registers: 8 warps and 16-key
+        # tiles keep head_dim 128 free of spills (175 registers).
+        return DecodeConfig(block_n=16, num_warps=8, num_stages=5)
+    if block_d >= 256:
+        # twice the bytes per key: half the keys per tile, 8 warps (166 registers, 73 KiB).
+        return DecodeConfig(block_n=32, num_warps=8, num_stages=5)
+    one, two, three = DECODE_VARIANTS["n128_w4_s5"], DECODE_VARIANTS["n128_w4_s3"], DECODE_VARIANTS["n64_w4_s5"]
+    if work is not None and group_size is not None and group_size <= 4 and block_d == 128 and 2 * work >= 15 * num_sms:
+        return DECODE_VARIANTS["n16_w2_s5"]
+    if work is None or work > 3 * num_sms:
+        return two
+    if work > num_sms:
+        return three
+    # in flight: one -> 128 KiB x work x splits(1 per SM); two -> 64 KiB x work x splits(2 per SM)
+    splits_one, splits_two = num_sms // max(1, work), 2 * num_sms // max(1, work)
+    return two if 2 * splits_two >= 5 * splits_one else one
+
+
+def decode_num_splits(batch: int, num_kv_heads: int, device: torch.device | str, *,
+                      programs_per_sm: int | None = None) -> int:
+    """How many KV splits per (request, kv head) :func:`batch_decode_paged` uses by default.
+
+    A plan from shapes only (no look at sequence lengths, so it is CUDA-graph safe): about
+    ``programs_per_sm`` programs on every multiprocessor, i.e.
+    ``floor(num_sms * programs_per_sm / (batch * num_kv_heads))`` clamped to ``[1, 256]``,
+    and no split once ``batch * num_kv_heads`` exceeds 1.5x the SM count.
+    ``programs_per_sm=None`` takes it from the config :func:`pick_decode_config` picks for
+    fp16/bf16 with head_dim <= 128 (the plan those inputs get; fp32 and larger head dims
+    use 2). The multiprocessor count is read once per device (132 for CPU tensors).
+    """
+    if batch < 0 or num_kv_heads < 1:
+        raise ValueError(f"batch, num_kv_heads: expected >= 0 and >= 1, got {batch}, {num_kv_heads}")
+    dev = torch.device(device)
+    work = max(1, batch * num_kv_heads)
+    num_sms = planning_sms(dev)
+    if 2 * work > 3 * num_sms:
+        # Past 1.5 pairs per SM a split only adds a merge (what the configs' residencies
+        # gave already; n16_w2_s5, 8 per SM, lost 1-12% at 2 splits on 64x4K and 64x256).
+        return 1
+    if programs_per_sm is None:
+        programs_per_sm = pick_decode_config(128, torch.bfloat16, 16, work=work, num_sms=num_sms).programs_per_sm
+    return max(1, min(MAX_SPLITS, num_sms * programs_per_sm // work))
+
+
+# The balanced schedule's variants (sm_90a builds of its kernel, bf16, D=128, group 4:
+# n128_w4_s5 168 registers, 137 KiB of shared memory -> 1 program per SM with two 64 KiB
+# K+V tiles in flight; n128_w4_s3 168 registers, 73 KiB -> up to 3 per SM).
+BALANCED_VARIANTS: dict[str, DecodeConfig] = {
+    "n128_w4_s5": DecodeConfig(block_n=128, num_warps=4, num_stages=5, programs_per_sm=1),
+    "n128_w4_s3x2": DecodeConfig(block_n=128, num_warps=4, num_stages=3, programs_per_sm=2),
+    "n128_w4_s3x3": DecodeConfig(block_n=128, num_warps=4, num_stages=3, programs_per_sm=3),
+}
+
+
+def pick_balanced_config(head_dim: int, dtype: torch.dtype, *, num_kv_heads: int,
+                         num_sms: int = REFERENCE_SMS) -> DecodeConfig:
+    """The balanced schedule's launch parameters for these shapes.
+
+    fp16/bf16, head_dim 65..128: n128_w4_s5, one program per SM with two 64 KiB K+V tiles
+    in flight (~128 KiB per SM saturates HBM): 16 programs per kv head at 132 SMs and 8 kv
+    heads. Fewer, longer programs cross fewer request boundaries, where a program's K/V
+    pipeline drains and refills (H100, 16 shapes: best of six one-wave plans or within
+    0.5% of it at 14). When ``floor(num_sms / num_kv_heads)`` programs per kv head leave
+    more than a tenth of the SMs idle (e.g. 48 kv heads: 96 of 132), n128_w4_s3 at 2 or 3
+    per SM, whichever fills the wave better (not timed).
+    """
+    block_d = max(16, next_power_of_2(head_dim))
+    if dtype == torch.float32:
+        # fp32 "ieee" products run on FMA units: 8 warps and 16-key tiles.
+        return DecodeConfig(block_n=16, num_warps=8, num_stages=5)
+    if block_d >= 256:
+        # twice the bytes per key: half the keys per tile, 8 warps (2 per SM).
+        return DecodeConfig(block_n=32, num_warps=8, num_stages=5)
+    if block_d <= 64:
+        # half the bytes per key: two programs per SM keep ~128 KiB of K/V in flight.
+        return DecodeConfig(block_n=128, num_warps=4, num_stages=5, programs_per_sm=2)
+    heads = max(1, num_kv_heads)
+    if heads > num_sms or (num_sms // heads) * heads >= 0.9 * num_sms:
+        return BALANCED_VARIANTS["n128_w4_s5"]
+
+    def filled(per_sm: int) -> float:  # busy fraction of a wave of per_sm programs per SM
+        return (per_sm * num_sms // heads) * heads / (per_sm * num_sms)
+
+    return BALANCED_VARIANTS["n128_w4_s3x2" if filled(2) >= filled(3) else "n128_w4_s3x3"]
+
+
+def balanced_num_programs(num_kv_heads: int, device: torch.device | str, *,
+                          programs_per_sm: int | None = None) -> int:
+    """Programs per kv head (``P``) of the balanced schedule's default plan: one wave,
+    ``floor(num_sms * programs_per_sm / num_kv_heads)`` clamped to ``[1, 4096]``, from
+    shapes only (CUDA-graph safe). ``programs_per_sm=None`` takes it from
+    :func:`pick_balanced_config` for bf16, head_dim 128."""
+    if num_kv_heads < 1:
+        raise ValueError(f"num_kv_heads: expected >= 1, got {num_kv_heads}")
+    num_sms = planning_sms(torch.device(device))
+    if programs_per_sm is None:
+        programs_per_sm = pick_balanced_config(128, torch.bfloat16, num_kv_heads=num_kv_heads,
+                                               num_sms=num_sms).programs_per_sm
+    return max(1, min(MAX_BALANCED_PROGRAMS, num_sms * programs_per_sm // num_kv_heads))
+
+
+SCHEDULES = ("per_request", "balanced")
+# The per-request plan is kept while its busiest SM has at most 1/0.9 of the average work
+# (H100, bf16 Hq 32 Hkv 8 D 128, fraction of copy, per-request vs balanced: 17x8K 0.83 vs
+# 0.95 (fill 0.69), 40x4K 0.94 vs 0.96 (0.81), 100x4K 0.95 vs 0.99 (0.87); 64x4K 0.997 vs
+# 0.986 (0.97), 256x4K 1.016 vs 1.003 (0.97), 16x4K 0.957 vs 0.939 (one wave)).
+_MIN_WAVE_FILL = 0.9
+# ... and while the requests' mean length is at least this fraction of the longest
+# (1 x 64K + 63 x 1K: per-request 0.16 of copy, balanced 0.90).
+_MIN_LENGTH_BALANCE = 0.8
+
+
+def pick_decode_schedule(batch: int, num_kv_heads: int, device: torch.device | str, *, head_dim: int = 128,
+                         dtype: torch.dtype = torch.bfloat16, seq_lens=None) -> str:
+    """``"per_request"`` or ``"balanced"``: the schedule :func:`batch_decode_paged` uses.
+
+    From shapes: the per-request plan (:func:`pick_decode_config`, :func:`decode_num_splits`)
+    gives every program the same work, so with more programs than SMs the busiest SM gets
+    ``ceil(programs / num_sms)`` of them against ``programs / num_sms`` on average; below
+    0.9 of that, balanced. (At one program per SM or fewer no SM waits on another.)
+    ``seq_lens`` (optional, host ints, a numpy array or a CPU tensor, ``[batch]`` tokens per request):
+    when their mean is under 0.8 of the longest, the per-request plan waits on the long
+    requests' programs: balanced. Reading lengths needs them on the host, so only callers
+    that have them (a planner) pass them.
+    """
+    if batch < 0 or num_kv_heads < 1:
+        raise ValueError(f"batch, num_kv_heads: expected >= 0 and >= 1, got {batch}, {num_kv_heads}")
+    num_sms = planning_sms(torch.device(device))
+    work = max(1, batch * num_kv_heads)
+    cfg = pick_decode_config(head_dim, dtype, 16, work=work, num_sms=num_sms)
+    programs = work * decode_num_splits(batch, num_kv_heads, device, programs_per_sm=cfg.programs_per_sm)
+    if programs > num_sms:
+        per_sm = programs / num_sms
+        if per_sm / math.ceil(per_sm) < _MIN_WAVE_FILL:
+            return "balanced"
+    if seq_lens is not None:
+        # numpy: a planner calls this on every re-plan, and a torch op costs several µs.
+        lens = np.asarray(host_array(seq_lens), dtype=np.float64).reshape(-1)
+        if lens.size != batch:
+            raise ValueError(f"seq_lens: expected {batch} lengths, got {lens.size}")
+        longest = float(lens.max()) if batch else 0.0
+        if longest > 0 and float(lens.sum()) / batch < _MIN_LENGTH_BALANCE * longest:
+            return "balanced"
+    return "per_request"
