@@ -30,7 +30,8 @@ from benchmarks.fixtures import BAR_SHAPES, DTYPE, MIN_POOL_BYTES, PAGE, Shape, 
 from cascadeinfer.cascade.multi_level import MultiLevelCascadeAttention
 from cascadeinfer.kernels import policy
 from cascadeinfer.kernels import prefill as P
-from cascadeinfer.kernels.decode import BALANCED_VARIANTS, _batch_decode_paged, batch_decode_paged
+from cascadeinfer.kernels.decode import _batch_decode_paged, batch_decode_paged
+from cascadeinfer.kernels.policy import BALANCED_VARIANTS
 from cascadeinfer.kernels.merge import merge_state, merge_states
 from cascadeinfer.layouts.paged_cache import unpack_paged_kv_cache
 
