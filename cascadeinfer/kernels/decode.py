@@ -41,7 +41,6 @@ one unit of the input precision).
 
 from __future__ import annotations
 
-import math
 
 import torch
 import triton
@@ -74,6 +73,7 @@ from cascadeinfer.kernels.policy import (
     pick_decode_schedule,
 )
 from cascadeinfer.kernels.launch import LaunchCache, given, launch, recorded, scratch
+from cascadeinfer.kernels.reference import batch_decode_paged_ref
 from cascadeinfer.layouts.page_table import check_pages_in_pool, validate_page_table
 from cascadeinfer.layouts.paged_cache import (
     PagedKV,
@@ -453,59 +453,3 @@ def _launch_per_request(q, kv: PagedKV, kv_indptr, kv_indices, kv_last_page_len,
     if split:
         # Stage 2 (inputs checked here already: the internal launcher, no second check).
         merge_mod.merge_states_unchecked(part_o, part_lse, out, lse)
-
-
-# --------------------------------------------------------------------------- reference
-
-
-def batch_decode_paged_ref(
-    q: torch.Tensor,
-    kv: PagedKV,
-    kv_indptr: torch.Tensor,
-    kv_indices: torch.Tensor,
-    kv_last_page_len: torch.Tensor,
-    *,
-    sm_scale: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float64 paged decode, vectorised over the batch (the path for plain-CPU tensors).
-
-    ``q: [batch, Hq, D]``, ``kv`` from :func:`unpack_paged_kv_cache`, page table as in
-    :func:`batch_decode_paged` (read on the host). Returns ``(o [batch, Hq, D] float64,
-    lse [batch, Hq] float64)``, natural log; rows with no keys give ``(0, -inf)``.
-    Non-finite input as in :func:`cascadeinfer.kernels.reference.attention_state_ref`: a
-    NaN or +inf score, or a NaN or inf in a value of the request's keys, gives
-    ``(NaN, NaN)``; the padding past a request's length never touches it.
-    """
-    batch, hq, d = q.shape
-    hkv, page = kv.num_kv_heads, kv.page_size
-    scale = d ** -0.5 if sm_scale is None else sm_scale
-    dev = q.device
-    indptr = kv_indptr.to(dev, torch.int64)
-    num_pages = indptr[1:] - indptr[:-1]
-    seq = torch.where(num_pages > 0, (num_pages - 1) * page + kv_last_page_len.to(dev, torch.int64), 0)
-    max_len = int(seq.max()) if batch else 0
-    o = torch.zeros((batch, hq, d), dtype=torch.float64, device=dev)
-    lse = torch.full((batch, hq), -math.inf, dtype=torch.float64, device=dev)
-    if max_len == 0:
-        return o, lse
-    tok = torch.arange(max_len, device=dev)
-    valid = tok[None, :] < seq[:, None]  # [batch, L]
-    slot_idx = torch.where(valid, indptr[:-1, None] + tok[None, :] // page, 0)
-    pages = kv_indices.to(dev, torch.int64)[slot_idx]  # [batch, L]
-    slot = (tok % page).expand(batch, -1)
-    if kv.kv_layout == "NHD":
-        k, v = kv.k[pages, slot], kv.v[pages, slot]  # [batch, L, Hkv, D]
-    else:
-        k, v = kv.k[pages, :, slot], kv.v[pages, :, slot]  # advanced dims first: [batch, L, Hkv, D]
-    qg = q.double().reshape(batch, hkv, hq // hkv, d)
-    s = torch.einsum("bhgd,blhd->bhgl", qg, k.double()) * scale
-    s = s.masked_fill(~valid[:, None, None, :], -math.inf)  # padding: never its (maybe NaN) score
-    lse_g = torch.logsumexp(s, dim=-1)  # [batch, Hkv, G]; NaN/+inf from such scores
-    finite = torch.isfinite(lse_g)
-    p = torch.where(finite[..., None], torch.exp(s - torch.where(finite, lse_g, 0.0)[..., None]), 0.0)
-    v_ok = torch.isfinite(v).all(dim=-1)  # [batch, L, Hkv]
-    o = torch.einsum("bhgl,blhd->bhgd", p, torch.where(v_ok[..., None], v.double(), 0.0))
-    # a key's non-finite value reaches the row at any weight (0 * inf = NaN); padding's never
-    bad = (valid[..., None] & ~v_ok).any(dim=1)[..., None] | torch.isnan(lse_g) | (lse_g == math.inf)
-    o = o.masked_fill(bad[..., None], math.nan).reshape(batch, hq, d)
-    return o, lse_g.masked_fill(bad, math.nan).reshape(batch, hq)

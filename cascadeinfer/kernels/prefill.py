@@ -58,7 +58,6 @@ LSE is natural log at every boundary; inside the kernel scores are kept in log2 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -88,7 +87,7 @@ from cascadeinfer.kernels.policy import (
 )
 from cascadeinfer.kernels.launch import LaunchCache, given, launch, recorded, scratch
 from cascadeinfer.kernels.merge import finish_state, merge_states
-from cascadeinfer.kernels.reference import attention_state_ref
+from cascadeinfer.kernels.reference import attention_state_ref, batch_prefill_paged_ref, batch_prefill_ragged_ref
 from cascadeinfer.layouts.indptr import validate_indptr
 from cascadeinfer.layouts.page_table import check_pages_in_pool, validate_page_table
 from cascadeinfer.layouts.paged_cache import (
@@ -96,7 +95,6 @@ from cascadeinfer.layouts.paged_cache import (
     PagedKVCache,
     cache_tensors,
     check_layout_fits,
-    gather_paged_kv,
     unpack_paged_kv_cache,
 )
 
@@ -904,55 +902,3 @@ def shared_prefix_attention(
     with recorded(_SHARED, key, (q, k, v, out, lse)):
         _run(q, None, source, out, lse, causal=False, sm_scale=scale)
     return out, lse
-
-
-# --------------------------------------------------------------------------------------
-# Float64 references (host loops over groups; readable, never fast)
-# --------------------------------------------------------------------------------------
-
-
-def batch_prefill_paged_ref(
-    q: torch.Tensor,
-    qo_indptr: torch.Tensor,
-    paged_kv_cache: PagedKVCache,
-    kv_indptr: torch.Tensor,
-    kv_indices: torch.Tensor,
-    kv_last_page_len: torch.Tensor,
-    *,
-    causal: bool = False,
-    kv_layout: str = "NHD",
-    sm_scale: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float64 ``(o [nnz_qo, Hq, D], lse [nnz_qo, Hq])`` of :func:`batch_prefill_paged`."""
-    kv = unpack_paged_kv_cache(paged_kv_cache, kv_layout)
-    o = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
-    lse = torch.full(q.shape[:2], -math.inf, dtype=torch.float64, device=q.device)
-    bounds = qo_indptr.tolist()
-    for g in range(len(bounds) - 1):
-        a, b = bounds[g], bounds[g + 1]
-        if b > a:
-            k, v = gather_paged_kv(kv, kv_indptr, kv_indices, kv_last_page_len, g)
-            o[a:b], lse[a:b] = attention_state_ref(q[a:b], k, v, sm_scale=sm_scale, causal=causal)
-    return o, lse
-
-
-def batch_prefill_ragged_ref(
-    q: torch.Tensor,
-    qo_indptr: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    *,
-    causal: bool = False,
-    sm_scale: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float64 ``(o [nnz_qo, Hq, D], lse [nnz_qo, Hq])`` of :func:`batch_prefill_ragged`."""
-    o = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
-    lse = torch.full(q.shape[:2], -math.inf, dtype=torch.float64, device=q.device)
-    qb, kb = qo_indptr.tolist(), kv_indptr.tolist()
-    for g in range(len(qb) - 1):
-        a, b = qb[g], qb[g + 1]
-        if b > a:
-            ka, kz = kb[g], kb[g + 1]
-            o[a:b], lse[a:b] = attention_state_ref(q[a:b], k[ka:kz], v[ka:kz], sm_scale=sm_scale, causal=causal)
-    return o, lse

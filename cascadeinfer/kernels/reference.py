@@ -1,6 +1,10 @@
-"""Float64 reference for an attention state: the definition every kernel is tested against.
+"""Float64 references: the definitions every kernel is tested against.
 
 Readable first, fast never. Natural-log LSE; the empty key set gives ``(0, -inf)``.
+:func:`attention_state_ref` and :func:`merge_state_ref` are the math; the batched
+references of the paged and ragged launchers (:func:`batch_decode_paged_ref`,
+:func:`batch_prefill_paged_ref`, :func:`batch_prefill_ragged_ref`) apply it per request or
+group, and serve as the launchers' path for plain-CPU tensors.
 """
 
 from __future__ import annotations
@@ -8,6 +12,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from cascadeinfer.layouts.paged_cache import PagedKV, PagedKVCache, gather_paged_kv, unpack_paged_kv_cache
 
 
 def attention_state_ref(
@@ -75,3 +81,103 @@ def merge_state_ref(
          + torch.where((s_b == -math.inf)[..., None], 0.0, w_b * v_b.double()))
     bad = torch.isnan(s_a) | torch.isnan(s_b) | (s_a == math.inf) | (s_b == math.inf)
     return v.masked_fill(bad[..., None], math.nan), s.masked_fill(bad, math.nan)
+
+
+def batch_decode_paged_ref(
+    q: torch.Tensor,
+    kv: PagedKV,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_last_page_len: torch.Tensor,
+    *,
+    sm_scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float64 paged decode, vectorised over the batch (the path for plain-CPU tensors).
+
+    ``q: [batch, Hq, D]``, ``kv`` from :func:`unpack_paged_kv_cache`, page table as in
+    :func:`batch_decode_paged` (read on the host). Returns ``(o [batch, Hq, D] float64,
+    lse [batch, Hq] float64)``, natural log; rows with no keys give ``(0, -inf)``.
+    Non-finite input as in :func:`cascadeinfer.kernels.reference.attention_state_ref`: a
+    NaN or +inf score, or a NaN or inf in a value of the request's keys, gives
+    ``(NaN, NaN)``; the padding past a request's length never touches it.
+    """
+    batch, hq, d = q.shape
+    hkv, page = kv.num_kv_heads, kv.page_size
+    scale = d ** -0.5 if sm_scale is None else sm_scale
+    dev = q.device
+    indptr = kv_indptr.to(dev, torch.int64)
+    num_pages = indptr[1:] - indptr[:-1]
+    seq = torch.where(num_pages > 0, (num_pages - 1) * page + kv_last_page_len.to(dev, torch.int64), 0)
+    max_len = int(seq.max()) if batch else 0
+    o = torch.zeros((batch, hq, d), dtype=torch.float64, device=dev)
+    lse = torch.full((batch, hq), -math.inf, dtype=torch.float64, device=dev)
+    if max_len == 0:
+        return o, lse
+    tok = torch.arange(max_len, device=dev)
+    valid = tok[None, :] < seq[:, None]  # [batch, L]
+    slot_idx = torch.where(valid, indptr[:-1, None] + tok[None, :] // page, 0)
+    pages = kv_indices.to(dev, torch.int64)[slot_idx]  # [batch, L]
+    slot = (tok % page).expand(batch, -1)
+    if kv.kv_layout == "NHD":
+        k, v = kv.k[pages, slot], kv.v[pages, slot]  # [batch, L, Hkv, D]
+    else:
+        k, v = kv.k[pages, :, slot], kv.v[pages, :, slot]  # advanced dims first: [batch, L, Hkv, D]
+    qg = q.double().reshape(batch, hkv, hq // hkv, d)
+    s = torch.einsum("bhgd,blhd->bhgl", qg, k.double()) * scale
+    s = s.masked_fill(~valid[:, None, None, :], -math.inf)  # padding: never its (maybe NaN) score
+    lse_g = torch.logsumexp(s, dim=-1)  # [batch, Hkv, G]; NaN/+inf from such scores
+    finite = torch.isfinite(lse_g)
+    p = torch.where(finite[..., None], torch.exp(s - torch.where(finite, lse_g, 0.0)[..., None]), 0.0)
+    v_ok = torch.isfinite(v).all(dim=-1)  # [batch, L, Hkv]
+    o = torch.einsum("bhgl,blhd->bhgd", p, torch.where(v_ok[..., None], v.double(), 0.0))
+    # a key's non-finite value reaches the row at any weight (0 * inf = NaN); padding's never
+    bad = (valid[..., None] & ~v_ok).any(dim=1)[..., None] | torch.isnan(lse_g) | (lse_g == math.inf)
+    o = o.masked_fill(bad[..., None], math.nan).reshape(batch, hq, d)
+    return o, lse_g.masked_fill(bad, math.nan).reshape(batch, hq)
+
+
+def batch_prefill_paged_ref(
+    q: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    paged_kv_cache: PagedKVCache,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_last_page_len: torch.Tensor,
+    *,
+    causal: bool = False,
+    kv_layout: str = "NHD",
+    sm_scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float64 ``(o [nnz_qo, Hq, D], lse [nnz_qo, Hq])`` of :func:`batch_prefill_paged`."""
+    kv = unpack_paged_kv_cache(paged_kv_cache, kv_layout)
+    o = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
+    lse = torch.full(q.shape[:2], -math.inf, dtype=torch.float64, device=q.device)
+    bounds = qo_indptr.tolist()
+    for g in range(len(bounds) - 1):
+        a, b = bounds[g], bounds[g + 1]
+        if b > a:
+            k, v = gather_paged_kv(kv, kv_indptr, kv_indices, kv_last_page_len, g)
+            o[a:b], lse[a:b] = attention_state_ref(q[a:b], k, v, sm_scale=sm_scale, causal=causal)
+    return o, lse
+
+
+def batch_prefill_ragged_ref(
+    q: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    *,
+    causal: bool = False,
+    sm_scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float64 ``(o [nnz_qo, Hq, D], lse [nnz_qo, Hq])`` of :func:`batch_prefill_ragged`."""
+    o = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
+    lse = torch.full(q.shape[:2], -math.inf, dtype=torch.float64, device=q.device)
+    qb, kb = qo_indptr.tolist(), kv_indptr.tolist()
+    for g in range(len(qb) - 1):
+        a, b = qb[g], qb[g + 1]
+        if b > a:
+            ka, kz = kb[g], kb[g + 1]
+            o[a:b], lse[a:b] = attention_state_ref(q[a:b], k[ka:kz], v[ka:kz], sm_scale=sm_scale, causal=causal)
+    return o, lse
