@@ -41,7 +41,6 @@ one unit of the input precision).
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
@@ -59,9 +58,10 @@ from cascadeinfer._checks import (
 )
 from cascadeinfer.kernels import decode_balanced as balanced
 from cascadeinfer.kernels import merge as merge_mod
-from cascadeinfer.kernels.decode_balanced import attend_tile
 from cascadeinfer.kernels import policy
 from cascadeinfer.kernels.constants import LOG2E
+from cascadeinfer.kernels.decode_balanced import attend_tile
+from cascadeinfer.kernels.launch import LaunchCache, given, launch, recorded, scratch
 from cascadeinfer.kernels.policy import (
     MAX_SPLITS,
     SCHEDULES,
@@ -72,7 +72,6 @@ from cascadeinfer.kernels.policy import (
     pick_decode_config,
     pick_decode_schedule,
 )
-from cascadeinfer.kernels.launch import LaunchCache, given, launch, recorded, scratch
 from cascadeinfer.kernels.reference import batch_decode_paged_ref
 from cascadeinfer.layouts.page_table import check_pages_in_pool, validate_page_table
 from cascadeinfer.layouts.paged_cache import (
@@ -82,7 +81,6 @@ from cascadeinfer.layouts.paged_cache import (
     check_layout_fits,
     unpack_paged_kv_cache,
 )
-
 
 
 @triton.jit

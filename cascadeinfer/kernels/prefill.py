@@ -75,6 +75,8 @@ from cascadeinfer._checks import (
     use_triton,
 )
 from cascadeinfer.kernels.constants import LOG2E
+from cascadeinfer.kernels.launch import LaunchCache, given, launch, recorded, scratch
+from cascadeinfer.kernels.merge import finish_state, merge_states
 from cascadeinfer.kernels.policy import (
     AddressPath,
     TileConfig,
@@ -85,8 +87,6 @@ from cascadeinfer.kernels.policy import (
     num_m_tiles,
     padded_head_dim,
 )
-from cascadeinfer.kernels.launch import LaunchCache, given, launch, recorded, scratch
-from cascadeinfer.kernels.merge import finish_state, merge_states
 from cascadeinfer.kernels.reference import attention_state_ref, batch_prefill_paged_ref, batch_prefill_ragged_ref
 from cascadeinfer.layouts.indptr import validate_indptr
 from cascadeinfer.layouts.page_table import check_pages_in_pool, validate_page_table
@@ -500,6 +500,8 @@ def _prefill_kernel(
 # --------------------------------------------------------------------------------------
 
 MAX_HEAD_DIM = 256
+
+
 @dataclass(frozen=True, slots=True)
 class _KVSource:
     """The KV side as the kernel sees it: base tensors, (page, token, head) strides and,
