@@ -514,7 +514,8 @@ def main() -> None:
     write_json(args.json, dict(
         env=env, copy_Bps=ceil.copy_bw, matmul_flops=ceil.mm_rate,
         config=dict(hq=HQ, page_size=PAGE, dtype=str(DTYPE), min_pool_bytes=min_pool, max_rotations=MAX_ROTATIONS,
-                    planner_tolerance=PLANNER_TOLERANCE, args=vars(args)),
+                    planner_tolerance=PLANNER_TOLERANCE,
+                    args={k: v for k, v in vars(args).items() if k not in ("json", "plot")}),
         rows=all_rows))
 
     head = (f"bf16, Hq={HQ}, one query token per request, page {PAGE}; copy {ceil.copy_bw / 1e9:.0f} GB/s, "

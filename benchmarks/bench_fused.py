@@ -121,6 +121,7 @@ BYTES = {
 
 def check() -> None:
     from cascadeinfer.kernels import fused  # noqa: PLC0415
+    from cascadeinfer.kernels import reference as ref_mod  # noqa: PLC0415
 
     x, r, w = rows(T, HIDDEN, 2.0), rows(T, HIDDEN, 4.0), rows(1, HIDDEN)[0] * 0.1 + 1
     gu = rows(T, 2 * INTER, 3.0)
@@ -128,15 +129,15 @@ def check() -> None:
     q, k = qkv[:, :HQ * D].view(T, HQ, D), qkv[:, HQ * D:(HQ + HKV) * D].view(T, HKV, D)
     cs, pos = rope_table(), positions()
     results = {
-        "rms_norm": (fused.rms_norm(x, w, EPS), fused.rms_norm_ref(x, w, EPS), norm_ref(x, w)),
-        "silu_and_mul": (fused.silu_and_mul(gu), fused.silu_and_mul_ref(gu), silu_mul_ref(gu)),
+        "rms_norm": (fused.rms_norm(x, w, EPS), ref_mod.rms_norm_ref(x, w, EPS), norm_ref(x, w)),
+        "silu_and_mul": (fused.silu_and_mul(gu), ref_mod.silu_and_mul_ref(gu), silu_mul_ref(gu)),
     }
-    want_x, want_r = fused.fused_add_rms_norm_ref(x, r, w, EPS)
+    want_x, want_r = ref_mod.fused_add_rms_norm_ref(x, r, w, EPS)
     plain_x, plain_r = add_norm_ref(x, r, w)
     fx, fr = x.clone(), r.clone()
     fused.fused_add_rms_norm(fx, fr, w, EPS)
     results["fused_add_rms_norm"] = (torch.cat((fx, fr)), torch.cat((want_x, want_r)), torch.cat((plain_x, plain_r)))
-    want_q, want_k = fused.apply_rope_ref(q, k, pos, cs)
+    want_q, want_k = ref_mod.apply_rope_ref(q, k, pos, cs)
     plain_q, plain_k = rope_ref(q, k, pos, cs)
     fused.apply_rope(q, k, pos, cs, validate=True)
     results["apply_rope"] = (torch.cat((q.flatten(), k.flatten())), torch.cat((want_q.flatten(), want_k.flatten())),
@@ -274,7 +275,12 @@ def main() -> None:
         sys.exit("bench_fused needs a CUDA GPU: it times kernels with CUDA graphs "
                  "(the kernels' correctness is tested on a CPU by tests/test_fused.py)")
 
-    from benchmarks._common import environment, markdown_table, measure_copy_bandwidth, write_json  # noqa: PLC0415
+    from benchmarks._common import (  # noqa: PLC0415
+        environment,
+        markdown_table,
+        measure_copy_bandwidth,
+        write_json,
+    )
 
     torch.manual_seed(0)
     env = environment()

@@ -32,21 +32,19 @@ from benchmarks._common import (
     rotation_count,
     write_json,
 )
-from cascadeinfer._checks import next_power_of_2
+from cascadeinfer._device import next_power_of_2
+from cascadeinfer.kernels import policy
 from cascadeinfer.kernels.merge import (
-    _MANY_TILE,
-    _MAX_UNROLL,
-    _TWO_TILE,
-    _launch_many,
-    _launch_two,
-    _tile_config,
+    launch_merge_two,
     merge_state,
     merge_state_in_place,
+)
+from cascadeinfer.kernels.merge_many import (
+    launch_merge_many,
     merge_states,
     merge_states_ragged,
-    merge_states_ragged_ref,
-    merge_states_ref,
 )
+from cascadeinfer.kernels.reference import merge_states_ragged_ref, merge_states_ref
 
 N, H, D = 8192, 32, 128
 DTYPES = (torch.bfloat16, torch.float16)
@@ -232,8 +230,8 @@ def run_sweep(copy_bw: float) -> list[dict]:
     dtype = torch.bfloat16
     rows = []
     dev = torch.device("cuda", torch.cuda.current_device())
-    two_default = _tile_config(N, H, D, dtype.itemsize, dev, _TWO_TILE)
-    many_default = _tile_config(N, H, D, dtype.itemsize, dev, _MANY_TILE)
+    two_default = policy.merge_tile_config(N, H, D, dtype.itemsize, dev, policy.MERGE_TWO_TILE)
+    many_default = policy.merge_tile_config(N, H, D, dtype.itemsize, dev, policy.MERGE_MANY_TILE)
     for block_h, num_warps in ((4, 1), (8, 2), (8, 4), (16, 2), (16, 4), (16, 8), (32, 4), (32, 8)):
         config = (block_h, next_power_of_2(D), num_warps)
         tag = f"BLOCK_H={block_h} warps={num_warps}" + (" (default)" if config == two_default else "")
@@ -241,18 +239,18 @@ def run_sweep(copy_bw: float) -> list[dict]:
         def make_two(config=config):
             v, s = states((N, 2), dtype)
             out, lse = torch.empty(N, H, D, device="cuda", dtype=dtype), torch.empty(N, H, device="cuda")
-            return lambda: _launch_two(v[:, 0], s[:, 0], v[:, 1], s[:, 1], out, lse, None, config=config)
+            return lambda: launch_merge_two(v[:, 0], s[:, 0], v[:, 1], s[:, 1], out, lse, None, config=config)
 
         rows.append(timed("merge_state", tag, dtype, 2, state_bytes(2, N, dtype), make_two, copy_bw))
     for block_h, num_warps, unroll in MANY:
         config = (block_h, next_power_of_2(D), num_warps)
-        default = config == many_default and unroll == _MAX_UNROLL
+        default = config == many_default and unroll == policy.MERGE_MAX_UNROLL
         tag = f"BLOCK_H={block_h} warps={num_warps} unroll={unroll}" + (" (default)" if default else "")
 
         def make_many(config=config, unroll=unroll):
             v, s = states((N, 16), dtype)
             out, lse = torch.empty(N, H, D, device="cuda", dtype=dtype), torch.empty(N, H, device="cuda")
-            return lambda: _launch_many(v, s, None, out, lse, config=config, unroll=unroll)
+            return lambda: launch_merge_many(v, s, None, out, lse, config=config, unroll=unroll)
 
         rows.append(timed("merge_states", tag, dtype, 16, state_bytes(16, N, dtype), make_many, copy_bw))
     return rows

@@ -5,15 +5,19 @@ caller sees ``ValueError: kv_indices: expected dtype torch.int32, got torch.int6
 rather than a fault inside a kernel. Checks that read tensor *contents* (monotone
 indptr, indices inside the pool) need a device-to-host copy; launchers run them only
 when asked (``validate=True``) and never while a CUDA graph is being captured.
+
+The overlap checks (:func:`check_disjoint`, :func:`check_aliasing`) read addresses,
+shapes and strides on the host, never contents: no sync, safe during capture. Facts about
+the device (which path runs, capture, SM counts) live in :mod:`cascadeinfer._device`.
 """
 
 from __future__ import annotations
 
-import functools
-import os
 from collections.abc import Iterable, Sequence
 
 import torch
+
+from cascadeinfer._device import normalize_device
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -49,14 +53,6 @@ def check_tensor(
     return t
 
 
-def normalize_device(device: torch.device | str) -> torch.device:
-    """``torch.device("cuda")`` as the tensor device it means (``cuda:<current>``)."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
 def check_int32_vector(name: str, t: object, device: torch.device, length: int | None = None) -> torch.Tensor:
     """An int32, 1-D, contiguous tensor on ``device`` (metadata: indptr, indices, lengths)."""
     check_tensor(name, t, ndim=1, dtypes=(torch.int32,), device=device,
@@ -84,20 +80,8 @@ def same_device(*named: tuple[str, torch.Tensor]) -> torch.device:
     return first.device
 
 
-def use_triton(device: torch.device) -> bool:
-    """Triton runs on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1``.
-
-    CPU tensors without the interpreter take the vectorised PyTorch path instead.
-    """
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def capturing() -> bool:
-    """True while a CUDA graph is being captured: no host reads are allowed then."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
 def default_sm_scale(head_dim: int, sm_scale: float | None) -> float:
+    """The softmax scale: ``sm_scale`` checked (a positive finite float), or ``head_dim ** -0.5``."""
     if sm_scale is None:
         return head_dim ** -0.5
     if not isinstance(sm_scale, (int, float)) or isinstance(sm_scale, bool):
@@ -107,15 +91,76 @@ def default_sm_scale(head_dim: int, sm_scale: float | None) -> float:
     return float(sm_scale)
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+# ----------------------------------------------------------------------------------
+# Overlap between outputs and inputs (addresses and strides only: no sync)
+# ----------------------------------------------------------------------------------
 
 
-def cuda_num_sms(device: torch.device) -> int:
-    """Multiprocessors of a CUDA device (cached; reads no tensor, safe during capture)."""
-    return _sm_count(torch.cuda.current_device() if device.index is None else device.index)
+def byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """``[first, last + 1)`` byte addresses that ``t``'s elements reach (non-negative strides)."""
+    last = sum((sz - 1) * st for sz, st in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
 
 
-def next_power_of_2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+def surely_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Overlap that is certain and cheap to see: both tensors fill their byte ranges
+    (dense, in any dim order) and the ranges meet. Interleaved strided views are not
+    judged (like PyTorch's own ``out=`` check, which calls them too hard)."""
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    (a0, a1), (b0, b1) = byte_span(a), byte_span(b)
+    dense = a1 - a0 == a.numel() * a.element_size() and b1 - b0 == b.numel() * b.element_size()
+    return dense and a0 < b1 and b0 < a1
+
+
+def check_disjoint(a_name: str, a: torch.Tensor, b_name: str, b: torch.Tensor) -> None:
+    """Reject overlap that is cheap to see: the same first element, or both tensors dense
+    and their byte ranges meeting. Interleaved strided views are not judged."""
+    if a.numel() == 0 or b.numel() == 0:
+        return
+    if a.data_ptr() == b.data_ptr() or surely_overlap(a, b):
+        raise ValueError(f"{a_name}: overlaps {b_name} in memory; they must be separate tensors")
+
+
+def _strides(t: torch.Tensor, dims) -> tuple[int, ...]:
+    """Strides of ``dims``, with size-1 dims (whose stride means nothing) as 0."""
+    return tuple(t.stride(i) if t.shape[i] > 1 else 0 for i in dims)
+
+
+def _is_same_view(out: torch.Tensor, t: torch.Tensor) -> bool:
+    """True when ``out`` is ``t`` itself: same dtype, first element and strides."""
+    return (out.dtype == t.dtype and out.data_ptr() == t.data_ptr()
+            and _strides(out, range(out.dim())) == _strides(t, range(t.dim())))
+
+
+def _is_state_slice(out: torch.Tensor, t: torch.Tensor) -> bool:
+    """True when ``out`` ([n, *rest]) is ``t[:, j]`` ([n, S, *rest]) for some state j."""
+    if out.dtype != t.dtype or _strides(out, range(out.dim())) != _strides(t, [0, *range(2, t.dim())]):
+        return False
+    offset = out.data_ptr() - t.data_ptr()
+    step = t.stride(1) * t.element_size()
+    if step == 0 or t.shape[1] == 1:
+        return offset == 0
+    return offset % step == 0 and 0 <= offset // step < t.shape[1]
+
+
+def check_aliasing(outputs: Sequence[tuple[str, torch.Tensor]], inputs: Sequence[tuple[str, torch.Tensor]], *,
+                   state_slices: bool = False, exact_ok: bool = True) -> None:
+    """Outputs ``((o_name, o), (lse_name, lse))`` against named inputs.
+
+    An output may be exactly an input when ``exact_ok`` (with ``state_slices``: exactly
+    an input's state slice ``t[:, j]``, for outputs ``[n, ...]`` of inputs ``[n, S,
+    ...]``); any other overlap it surely has with an input (:func:`surely_overlap`), or
+    the two outputs with each other, raises ``ValueError`` naming both.
+    """
+    (o_name, o), (l_name, lse) = outputs
+    if surely_overlap(o, lse):
+        raise ValueError(f"{o_name}: overlaps {l_name} in memory")
+    for out_name, out in outputs:
+        for in_name, t in inputs:
+            if not surely_overlap(out, t):
+                continue
+            if exact_ok and (_is_state_slice(out, t) if state_slices else _is_same_view(out, t)):
+                continue
+            allowed = (f"exactly {in_name}[:, j]" if state_slices else f"exactly {in_name}") if exact_ok else "disjoint"
+            raise ValueError(f"{out_name}: overlaps {in_name} in memory; it must be {allowed} or not overlap it")

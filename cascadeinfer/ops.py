@@ -29,7 +29,8 @@ import torch
 
 from cascadeinfer.kernels.append import append_paged_kv_cache
 from cascadeinfer.kernels.decode import batch_decode_paged
-from cascadeinfer.kernels.merge import merge_state, merge_states
+from cascadeinfer.kernels.merge import merge_state
+from cascadeinfer.kernels.merge_many import merge_states
 from cascadeinfer.kernels.prefill import batch_prefill_paged, batch_prefill_ragged
 
 

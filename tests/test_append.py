@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cascadeinfer.kernels.append import append_paged_kv_cache, append_paged_kv_cache_ref
+from cascadeinfer.kernels.append import append_paged_kv_cache
+from cascadeinfer.kernels.reference import append_paged_kv_cache_ref
 from cascadeinfer.layouts.indptr import indptr_from_lengths
 from cascadeinfer.layouts.page_table import PageTable, get_batch_indices_positions
 from cascadeinfer.layouts.paged_cache import gather_paged_kv, unpack_paged_kv_cache

@@ -12,12 +12,14 @@ from cascadeinfer.engine.llama import RMSNorm, _rotate_half
 from cascadeinfer.kernels.fused import (
     MAX_HIDDEN,
     apply_rope,
-    apply_rope_ref,
     fused_add_rms_norm,
-    fused_add_rms_norm_ref,
     rms_norm,
-    rms_norm_ref,
     silu_and_mul,
+)
+from cascadeinfer.kernels.reference import (
+    apply_rope_ref,
+    fused_add_rms_norm_ref,
+    rms_norm_ref,
     silu_and_mul_ref,
 )
 

@@ -16,8 +16,9 @@ from cascadeinfer.kernels import append as append_mod
 from cascadeinfer.kernels import decode as decode_mod
 from cascadeinfer.kernels import launch as launch_mod
 from cascadeinfer.kernels import merge as merge_mod
+from cascadeinfer.kernels import merge_many as merge_many_mod
 from cascadeinfer.kernels import prefill as prefill_mod
-from cascadeinfer.kernels.reference import attention_state_ref
+from cascadeinfer.kernels.reference import attention_state_ref, merge_states_ref
 from cascadeinfer.layouts.paged_cache import gather_paged_kv, unpack_paged_kv_cache
 
 T = lambda x, device: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
@@ -138,14 +139,14 @@ def test_merges_replay(device, monkeypatch):
     v, s = states(0)
     ci.merge_states(v, s, validate=False)
     ci.merge_state(v[:, 0], s[:, 0], v[:, 1], s[:, 1], validate=False)
-    forbid(monkeypatch, merge_mod, "merge_states_unchecked")
+    forbid(monkeypatch, merge_many_mod, "merge_states_unchecked")
     forbid(monkeypatch, merge_mod, "_merge_two")
     v, s = states(1)
     o, lse = ci.merge_states(v, s, validate=False)
-    o_ref, lse_ref = merge_mod.merge_states_ref(v.cpu(), s.cpu())
+    o_ref, lse_ref = merge_states_ref(v.cpu(), s.cpu())
     assert_state(o, lse, o_ref, lse_ref, 1e-5)
     o, lse = ci.merge_state(v[:, 0], s[:, 0], v[:, 1], s[:, 1], validate=False)
-    o_ref, lse_ref = merge_mod.merge_states_ref(v[:, :2].cpu(), s[:, :2].cpu())
+    o_ref, lse_ref = merge_states_ref(v[:, :2].cpu(), s[:, :2].cpu())
     assert_state(o, lse, o_ref, lse_ref, 1e-5)
 
 
@@ -164,7 +165,7 @@ def test_replays_allocate_fresh_outputs_like_the_recorded_ones(device, monkeypat
     for name, call in calls.items():
         first = call()
         forbid(monkeypatch, decode_mod, "_batch_decode_paged")
-        forbid(monkeypatch, merge_mod, "merge_states_unchecked")
+        forbid(monkeypatch, merge_many_mod, "merge_states_unchecked")
         forbid(monkeypatch, merge_mod, "_merge_two")
         for mode in (torch.inference_mode, torch.enable_grad):
             with mode():

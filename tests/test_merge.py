@@ -15,17 +15,24 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cascadeinfer.kernels.merge as merge_mod
+import cascadeinfer.kernels.merge_many as merge_many_mod
+from cascadeinfer.kernels import policy
 from cascadeinfer.kernels.merge import (
-    _launch_many,
-    _launch_two,
+    launch_merge_two,
     merge_state,
     merge_state_in_place,
+)
+from cascadeinfer.kernels.merge_many import (
+    launch_merge_many,
     merge_states,
     merge_states_ragged,
+)
+from cascadeinfer.kernels.reference import (
+    attention_state_ref,
+    merge_state_ref,
     merge_states_ragged_ref,
     merge_states_ref,
 )
-from cascadeinfer.kernels.reference import attention_state_ref, merge_state_ref
 
 INF = math.inf
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -201,19 +208,32 @@ def test_tiling_paths(device, dtype):
     v_b, s_b = random_states((n,), heads, head_dim, dtype, device, seed=7)
     out, out_lse = poisoned((n, heads, head_dim), dtype, device), poisoned((n, heads), torch.float32, device)
     mask = torch.tensor([True, True], device=device)
-    _launch_two(v_a, s_a, v_b, s_b, out, out_lse, mask, config=config)
+    launch_merge_two(v_a, s_a, v_b, s_b, out, out_lse, mask, config=config)
     assert_state(out, out_lse, *stack_ref(v_a, s_a, v_b, s_b), dtype)
 
     v, s = random_states((n, 7), heads, head_dim, dtype, device, seed=8)
     out, out_lse = poisoned((n, heads, head_dim), dtype, device), poisoned((n, heads), torch.float32, device)
-    _launch_many(v, s, None, out, out_lse, config=config, unroll=2)
+    launch_merge_many(v, s, None, out, out_lse, config=config, unroll=2)
     assert_state(out, out_lse, *merge_states_ref(v, s), dtype)
 
     indptr = torch.tensor([0, 5, 12], dtype=torch.int32, device=device)
     flat_v, flat_s = v.reshape(14, heads, head_dim), s.reshape(14, heads)
     out, out_lse = poisoned((n, heads, head_dim), dtype, device), poisoned((n, heads), torch.float32, device)
-    _launch_many(flat_v, flat_s, indptr, out, out_lse, config=config, unroll=4)
+    launch_merge_many(flat_v, flat_s, indptr, out, out_lse, config=config, unroll=4)
     assert_state(out, out_lse, *merge_states_ragged_ref(flat_v, flat_s, indptr), dtype)
+
+
+def test_plan_follows_planning_sms(monkeypatch):
+    """CPU tensors get a GPU's merge plan (policy.planning_sms), as in every kernel family,
+    and a patched SM count reaches it."""
+    cpu = torch.device("cpu")
+    assert policy.merge_min_programs(cpu) == 4 * policy.REFERENCE_SMS
+    monkeypatch.setattr(policy, "planning_sms", lambda *args: 4)
+    assert policy.merge_min_programs(cpu) == 16
+    # bf16 D=128, 8 heads: 64 rows fill 16 programs with whole head blocks; 2 rows need
+    # one head per program.
+    assert policy.merge_tile_config(64, 8, 128, 2, cpu, policy.MERGE_TWO_TILE)[0] == 8
+    assert policy.merge_tile_config(2, 8, 128, 2, cpu, policy.MERGE_TWO_TILE)[0] == 1
 
 
 # ----------------------------------------------------------------------------------
@@ -377,6 +397,7 @@ def test_out_of_another_dtype_may_not_alias(device):
 def test_cpu_fallback_path(device, monkeypatch):
     """Without Triton (plain CPU) every function takes the float64 reference path."""
     monkeypatch.setattr(merge_mod, "use_triton", lambda _device: False)
+    monkeypatch.setattr(merge_many_mod, "use_triton", lambda _device: False)
     dtype = torch.bfloat16
     v, s = random_states((3, 4), 2, 32, dtype, "cpu", seed=14)
     assert_state(*merge_states(v, s), *merge_states_ref(v, s), dtype)

@@ -29,16 +29,19 @@ from cascadeinfer.cascade.multi_level import MultiLevelCascadeAttention
 from cascadeinfer.kernels import policy
 from cascadeinfer.kernels import prefill as P
 from cascadeinfer.kernels.decode import batch_decode_paged, batch_decode_paged_ref
-from cascadeinfer.kernels.merge import (
-    merge_state,
-    merge_state_in_place,
-    merge_states,
-    merge_states_ragged,
-    merge_states_ref,
-    merge_states_ragged_ref,
+from cascadeinfer.kernels.merge import merge_state, merge_state_in_place
+from cascadeinfer.kernels.merge_many import merge_states, merge_states_ragged
+from cascadeinfer.kernels.prefill import (
+    batch_prefill_paged,
+    batch_prefill_ragged,
+    shared_prefix_attention,
 )
-from cascadeinfer.kernels.prefill import batch_prefill_paged, batch_prefill_ragged, shared_prefix_attention
-from cascadeinfer.kernels.reference import attention_state_ref, merge_state_ref
+from cascadeinfer.kernels.reference import (
+    attention_state_ref,
+    merge_state_ref,
+    merge_states_ragged_ref,
+    merge_states_ref,
+)
 from cascadeinfer.layouts.indptr import indptr_from_lengths
 from cascadeinfer.layouts.page_table import PageTable
 from cascadeinfer.layouts.paged_cache import gather_paged_kv, unpack_paged_kv_cache

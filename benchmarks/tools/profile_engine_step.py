@@ -36,7 +36,7 @@ MARKER = "spin_kernel"  # torch.cuda._sleep's kernel, enqueued before each profi
 # Kernel kinds by name. cuBLAS names its Hopper kernels nvjet_* / sm90_xmma_*, older ones *gemm*.
 KINDS = (
     ("gemm", re.compile(r"gemm|nvjet|xmma|cutlass|cublas", re.I)),
-    ("attention", re.compile(r"_prefill_kernel|_decode_kernel|_balanced|_merge_|merge_kernel")),
+    ("attention", re.compile(r"prefill_kernel|_decode_kernel|_balanced|_merge_|merge_kernel")),
     ("fused elementwise", re.compile(r"_rms_norm|_silu_and_mul|_rope|_append_paged")),
 )
 
@@ -158,7 +158,7 @@ def main() -> None:
     print(markdown_table(rows, ["kind", "sum us", "busy us", "kernels"]))
     print()
     print(markdown_table(top, ["kernel", "us per step", "kind"]))
-    write_json(args.json, {"environment": environment(), "workload": vars(args), "step": head, "kinds": rows,
+    write_json(args.json, {"environment": environment(), "workload": {k: v for k, v in vars(args).items() if k != "json"}, "step": head, "kinds": rows,
                            "top": top})
 
 

@@ -29,10 +29,17 @@ import time
 import torch
 
 from benchmarks._common import environment, load_flashinfer, markdown_table, write_json
-from benchmarks.tools import tune_decode
 from benchmarks.bench_merge import MANY, assert_close_state
+from benchmarks.tools import tune_decode
 from benchmarks.tools.tune_decode import copy_bandwidth, graph_seconds
-from cascadeinfer.kernels import merge as M
+from cascadeinfer.kernels.merge import launch_merge_two, merge_state
+from cascadeinfer.kernels.merge_many import (
+    launch_merge_many,
+    merge_states,
+    merge_states_ragged,
+    merge_states_unchecked,
+)
+from cascadeinfer.kernels.reference import merge_states_ragged_ref, merge_states_ref
 
 N, H, D = 8192, 32, 128
 DT = torch.bfloat16
@@ -99,25 +106,25 @@ def main() -> None:
     # ---- correctness of every config first (small rows, all on the GPU)
     small = 3 if args.dry_run else 512
     va, sa = states((small, 16), DT)
-    ref2 = M.merge_states_ref(va[:, :2], sa[:, :2])
-    ref16 = M.merge_states_ref(va, sa)
+    ref2 = merge_states_ref(va[:, :2], sa[:, :2])
+    ref16 = merge_states_ref(va, sa)
     indptr_s = ragged_indptr(small)
     vr, sr = states((int(indptr_s[-1]),), DT)
-    refr = M.merge_states_ragged_ref(vr, sr, indptr_s)
+    refr = merge_states_ragged_ref(vr, sr, indptr_s)
     for cfg in two_configs():
         o, l = torch.empty(small, H, D, device=DEV, dtype=DT), torch.empty(small, H, device=DEV)
-        M._launch_two(va[:, 0], sa[:, 0], va[:, 1], sa[:, 1], o, l, None, config=cfg)
+        launch_merge_two(va[:, 0], sa[:, 0], va[:, 1], sa[:, 1], o, l, None, config=cfg)
         assert_close_state(f"two {cfg}", o, l, *ref2, DT)
     for cfg, unroll in many_configs():
         o, l = torch.empty(small, H, D, device=DEV, dtype=DT), torch.empty(small, H, device=DEV)
-        M._launch_many(va, sa, None, o, l, config=cfg, unroll=unroll)
+        launch_merge_many(va, sa, None, o, l, config=cfg, unroll=unroll)
         assert_close_state(f"many {cfg} u{unroll}", o, l, *ref16, DT)
-        M._launch_many(vr, sr, indptr_s, o, l, config=cfg, unroll=unroll)
+        launch_merge_many(vr, sr, indptr_s, o, l, config=cfg, unroll=unroll)
         assert_close_state(f"ragged {cfg} u{unroll}", o, l, *refr, DT)
-    assert_close_state("merge_states S=2", *M.merge_states(va[:, :2], sa[:, :2]), *ref2, DT)
+    assert_close_state("merge_states S=2", *merge_states(va[:, :2], sa[:, :2]), *ref2, DT)
     of = torch.empty(small, H, D, device=DEV, dtype=torch.float32)
-    M.merge_states(va, sa, out=of)
-    assert_close_state("merge_states fp32 out", of, M.merge_states(va, sa)[1], *ref16, torch.float32)
+    merge_states(va, sa, out=of)
+    assert_close_state("merge_states fp32 out", of, merge_states(va, sa)[1], *ref16, torch.float32)
     print(f"# correctness vs float64: ok (all configs; {time.time() - t0:.0f} s)", flush=True)
 
     copy_bw = copy_bandwidth()
@@ -137,7 +144,7 @@ def main() -> None:
         return [lambda i=i: fn(*sets2[i][0], *sets2[i][1], *outs[i]) for i in range(2)]
 
     record("merge_state", "ours default", nb2,
-           graph_seconds(two_calls(lambda a, sa_, b, sb, o, l: M.merge_state(a, sa_, b, sb, out=o, out_lse=l))))
+           graph_seconds(two_calls(lambda a, sa_, b, sb, o, l: merge_state(a, sa_, b, sb, out=o, out_lse=l))))
     if v0 is not None:
         record("merge_state", "HEAD", nb2,
                graph_seconds(two_calls(lambda a, sa_, b, sb, o, l: v0.merge_state(a, sa_, b, sb, out=o, out_lse=l))))
@@ -148,13 +155,13 @@ def main() -> None:
         if time.time() > deadline:
             break
         record("merge_state", f"two bh{cfg[0]} w{cfg[2]}", nb2, graph_seconds(two_calls(
-            lambda a, sa_, b, sb, o, l, cfg=cfg: M._launch_two(a, sa_, b, sb, o, l, None, config=cfg))),
+            lambda a, sa_, b, sb, o, l, cfg=cfg: launch_merge_two(a, sa_, b, sb, o, l, None, config=cfg))),
             cfg=list(cfg))
 
     # merge_states with 2 states (strided views of [N, 2, H, D])
     dense2 = [states((N, 2), DT) for _ in range(2)]
     record("merge_states S=2", "ours default", nb2, graph_seconds(
-        [lambda i=i: M.merge_states(*dense2[i], out=outs[i][0], out_lse=outs[i][1]) for i in range(2)]))
+        [lambda i=i: merge_states(*dense2[i], out=outs[i][0], out_lse=outs[i][1]) for i in range(2)]))
     if v0 is not None:
         record("merge_states S=2", "HEAD", nb2, graph_seconds(
             [lambda i=i: v0.merge_states(*dense2[i], out=outs[i][0], out_lse=outs[i][1]) for i in range(2)]))
@@ -170,7 +177,7 @@ def main() -> None:
         return [lambda i=i: fn(*dense16[i], *outs[i]) for i in range(2)]
 
     record("merge_states S=16", "ours default", nb16,
-           graph_seconds(many_calls(lambda v, s, o, l: M.merge_states(v, s, out=o, out_lse=l))))
+           graph_seconds(many_calls(lambda v, s, o, l: merge_states(v, s, out=o, out_lse=l))))
     if v0 is not None:
         record("merge_states S=16", "HEAD", nb16,
                graph_seconds(many_calls(lambda v, s, o, l: v0.merge_states(v, s, out=o, out_lse=l))))
@@ -180,8 +187,8 @@ def main() -> None:
         if time.time() > deadline:
             break
         record("merge_states S=16", f"many bh{cfg[0]} w{cfg[2]} u{unroll}", nb16, graph_seconds(many_calls(
-            lambda v, s, o, l, cfg=cfg, unroll=unroll: M._launch_many(v, s, None, o, l, config=cfg,
-                                                                       unroll=unroll))),
+            lambda v, s, o, l, cfg=cfg, unroll=unroll: launch_merge_many(v, s, None, o, l, config=cfg,
+                                                                            unroll=unroll))),
             cfg=list(cfg), unroll=unroll)
     if v0 is not None:
         for bh, warps, unroll in HEAD_MANY:
@@ -199,7 +206,7 @@ def main() -> None:
     ragged = [states((nnz,), DT) for _ in range(2)]
     nbr = (nnz + N) * H * (D * DT.itemsize + 4) + (N + 1) * 4
     record("ragged 1-31", "ours default", nbr, graph_seconds(
-        [lambda i=i: M.merge_states_ragged(*ragged[i], indptr, out=outs[i][0], out_lse=outs[i][1], validate=False)
+        [lambda i=i: merge_states_ragged(*ragged[i], indptr, out=outs[i][0], out_lse=outs[i][1], validate=False)
          for i in range(2)]))
     if v0 is not None:
         record("ragged 1-31", "HEAD", nbr, graph_seconds(
@@ -215,8 +222,9 @@ def main() -> None:
             calls = [lambda i=i, cfg=cfg, unroll=unroll: v0._launch_many(*ragged[i], indptr, *outs[i], config=cfg,
                                                                          state_blocks=(16, unroll)) for i in range(2)]
         else:
-            calls = [lambda i=i, cfg=cfg, unroll=unroll: M._launch_many(*ragged[i], indptr, *outs[i], config=cfg,
-                                                                        unroll=unroll) for i in range(2)]
+            calls = [lambda i=i, cfg=cfg, unroll=unroll: launch_merge_many(*ragged[i], indptr, *outs[i],
+                                                                             config=cfg, unroll=unroll)
+                     for i in range(2)]
         record("ragged 1-31", r["impl"], nbr, graph_seconds(calls), cfg=list(cfg), unroll=unroll,
                head_kernel=bool(r.get("head_kernel")))
     del ragged, outs
@@ -231,18 +239,18 @@ def main() -> None:
         s = torch.randn(n, s_count, H, device=DEV)
         o = torch.empty(n, H, D, device=DEV, dtype=DT)
         l = torch.empty(n, H, device=DEV)
-        ref = M.merge_states_ref(v, s)
+        ref = merge_states_ref(v, s)
         nb = n * s_count * H * (D * 4 + 4) + n * H * (D * 2 + 4)
         case = f"stage2 n{n} S{s_count}"
-        record(case, "ours default", nb, graph_seconds([lambda: M.merge_states_unchecked(v, s, o, l)]))
+        record(case, "ours default", nb, graph_seconds([lambda: merge_states_unchecked(v, s, o, l)]))
         for bh, bd, warps, unroll in ((1, 128, 1, 4), (1, 128, 1, 8), (1, 128, 1, 16), (1, 128, 2, 16),
                                       (1, 128, 1, 32), (2, 128, 2, 8), (4, 128, 4, 4), (4, 128, 4, 8)):
             if s_count <= 4 and unroll > 4:
                 continue
-            M._launch_many(v, s, None, o, l, config=(bh, bd, warps), unroll=unroll)
+            launch_merge_many(v, s, None, o, l, config=(bh, bd, warps), unroll=unroll)
             assert_close_state(case, o, l, *ref, DT)
             record(case, f"many bh{bh} w{warps} u{unroll}", nb, graph_seconds(
-                [lambda bh=bh, bd=bd, warps=warps, unroll=unroll: M._launch_many(
+                [lambda bh=bh, bd=bd, warps=warps, unroll=unroll: launch_merge_many(
                     v, s, None, o, l, config=(bh, bd, warps), unroll=unroll)]),
                 cfg=[bh, bd, warps], unroll=unroll)
 

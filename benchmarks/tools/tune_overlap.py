@@ -25,14 +25,22 @@ import sys
 
 import torch
 
-from benchmarks._common import bench_rotating, environment, markdown_table, measure_ceilings, roofline_floor, write_json
+from benchmarks._common import (
+    bench_rotating,
+    environment,
+    markdown_table,
+    measure_ceilings,
+    roofline_floor,
+    write_json,
+)
 from benchmarks.fixtures import BAR_SHAPES, DTYPE, MIN_POOL_BYTES, PAGE, Shape, Workload
 from cascadeinfer.cascade.multi_level import MultiLevelCascadeAttention
 from cascadeinfer.kernels import policy
 from cascadeinfer.kernels import prefill as P
 from cascadeinfer.kernels.decode import _batch_decode_paged, batch_decode_paged
+from cascadeinfer.kernels.merge import merge_state
+from cascadeinfer.kernels.merge_many import merge_states
 from cascadeinfer.kernels.policy import BALANCED_VARIANTS
-from cascadeinfer.kernels.merge import merge_state, merge_states
 from cascadeinfer.layouts.paged_cache import unpack_paged_kv_cache
 
 

@@ -39,6 +39,7 @@ import torch
 
 from cascadeinfer.kernels import policy
 from cascadeinfer.kernels import prefill as P
+from cascadeinfer.kernels import prefill_kernel
 
 SHAPES = ((128, 8192), (256, 8192), (512, 8192), (128, 32768), (256, 32768), (512, 32768))
 QUICK_SHAPES = ((128, 8192), (512, 32768))
@@ -53,11 +54,11 @@ class Variant:
     module: str = "new"  # "new" (prefill.py), "v0" (benchmarks/_prefill_v0.py)
 
 
-# Round 1 (H200, see benchmarks/NOTES.md) compared 128x64 s3/s4, 128x128 s2/s3, 64x64 and
-# 64x32 with 4 warps at 2-3 programs per SM, each with and without a lazy rescale: 128x128
-# s3 won everywhere and the lazy rescale lost 5-10%. Round 2 keeps the contenders.
-# Round 3 (H100): one warpgroup per program, two programs per SM (64-row tiles,
-# 112 KiB each), against two lock-stepped warpgroups of one 128-row program.
+# The measured contenders (benchmarks/NOTES.md, "Prefix level"): on the H200, 128x128 with 3
+# stages beat 128x64 s3/s4, 128x128 s2, 64x64 and 64x32 (4 warps, 2-3 programs per SM) at
+# every shape, and a lazy rescale lost 5-10%; on the H100, one warpgroup per program at two
+# programs per SM (64-row tiles, 112 KiB each) against two lock-stepped warpgroups of one
+# 128-row program.
 VARIANTS = [
     Variant("v0 default", None, module="v0"),
     Variant("128x128 s3", T(128, 128, 8, 3)),
@@ -79,9 +80,9 @@ def ablate_exp(mode: str) -> None:
     import triton.language as tl  # noqa: PLC0415
 
     @triton.jit
-    def _step(acc, l_i, m_i, s, v, qk_scale, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    def _step(acc, l_i, m_i, s, v, qk_scale, EMPTY_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr):
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        if MASKED:
+        if EMPTY_ROWS:
             m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
             m_sub = m_new
@@ -94,7 +95,7 @@ def ablate_exp(mode: str) -> None:
 
     if mode != "noexp":
         raise ValueError(f"ablate: unknown mode {mode!r}")
-    P._softmax_step = _step
+    prefill_kernel.online_softmax_step = _step  # read by the kernel's helpers at compile time
 
 
 def load_v0():
@@ -120,7 +121,7 @@ def compile_sm90(cfg: policy.TileConfig, address: policy.AddressPath):
     from triton.backends.compiler import GPUTarget  # noqa: PLC0415
     from triton.compiler import ASTSource  # noqa: PLC0415
 
-    fn = P._prefill_kernel
+    fn = prefill_kernel.prefill_kernel
     types = {n: "*bf16" if n.endswith("_ptr") else "i32" for n in fn.arg_names}
     types.update(qk_scale="fp32", lse_ptr="*fp32", qo_indptr_ptr="*i32", kv_indptr_ptr="*i32",
                  kv_indices_ptr="*i32", kv_last_page_len_ptr="*i32")

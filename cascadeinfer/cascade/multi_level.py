@@ -29,11 +29,16 @@ from cascadeinfer._checks import (
     check_last_dim_contiguous,
     check_tensor,
     default_sm_scale,
-    normalize_device,
-    use_triton,
 )
+from cascadeinfer._device import normalize_device, use_triton
 from cascadeinfer.cascade.context_parallel import page_share
-from cascadeinfer.cascade.plan import LevelArrays, LevelTensors, check_levels, choose_cascade, flat_page_table
+from cascadeinfer.cascade.plan import (
+    LevelArrays,
+    LevelTensors,
+    check_levels,
+    choose_cascade,
+    flat_page_table,
+)
 from cascadeinfer.distributed import merge_states_across
 from cascadeinfer.kernels import (
     batch_decode_paged,
@@ -44,7 +49,12 @@ from cascadeinfer.kernels import (
 )
 from cascadeinfer.kernels.launch import LaunchCache, Recording, given, recording
 from cascadeinfer.layouts.page_table import PageTable
-from cascadeinfer.layouts.paged_cache import cache_tensors, check_kv_layout, check_layout_fits, unpack_paged_kv_cache
+from cascadeinfer.layouts.paged_cache import (
+    cache_tensors,
+    check_kv_layout,
+    check_layout_fits,
+    unpack_paged_kv_cache,
+)
 from cascadeinfer.ops import split_cache
 
 

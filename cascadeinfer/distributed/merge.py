@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from cascadeinfer._checks import FLOAT_DTYPES, check_last_dim_contiguous, check_tensor
-from cascadeinfer.kernels.merge import merge_states
+from cascadeinfer.kernels.merge_many import merge_states
 
 
 def merge_states_across(
@@ -23,7 +23,7 @@ def merge_states_across(
     (e.g. its share of a long prefix's pages) and calls this with tensors of the same
     shapes and dtypes (a collective). Each rank gets the state over all the parts: the
     states are gathered (one all-gather of both, as bytes) and merged locally by
-    :func:`~cascadeinfer.kernels.merge.merge_states`, in rank order on every rank, so every
+    :func:`~cascadeinfer.kernels.merge_many.merge_states`, in rank order on every rank, so every
     rank gets the same bits.
 
     Args:

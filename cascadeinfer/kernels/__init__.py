@@ -9,9 +9,19 @@ it, for planners that size work ahead of a launch: :func:`decode_num_splits`,
 from cascadeinfer.kernels.append import append_paged_kv_cache
 from cascadeinfer.kernels.copy_pages import copy_pages
 from cascadeinfer.kernels.decode import batch_decode_paged
-from cascadeinfer.kernels.merge import merge_state, merge_state_in_place, merge_states, merge_states_ragged
-from cascadeinfer.kernels.policy import decode_num_splits, groups_tile_config, paged_num_splits, pick_decode_schedule
-from cascadeinfer.kernels.prefill import batch_prefill_paged, batch_prefill_ragged, shared_prefix_attention
+from cascadeinfer.kernels.merge import merge_state, merge_state_in_place
+from cascadeinfer.kernels.merge_many import merge_states, merge_states_ragged
+from cascadeinfer.kernels.policy import (
+    decode_num_splits,
+    groups_tile_config,
+    paged_num_splits,
+    pick_decode_schedule,
+)
+from cascadeinfer.kernels.prefill import (
+    batch_prefill_paged,
+    batch_prefill_ragged,
+    shared_prefix_attention,
+)
 
 __all__ = [
     "append_paged_kv_cache",

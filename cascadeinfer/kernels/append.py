@@ -21,16 +21,23 @@ import triton
 import triton.language as tl
 
 from cascadeinfer._checks import (
-    capturing,
     check_int32_vector,
     check_last_dim_contiguous,
     check_tensor,
-    next_power_of_2,
-    use_triton,
 )
+from cascadeinfer._device import capturing, next_power_of_2, use_triton
 from cascadeinfer.kernels.launch import LaunchCache, launch, recorded
-from cascadeinfer.layouts.page_table import check_pages_in_pool, get_seq_lens, validate_page_table
-from cascadeinfer.layouts.paged_cache import PagedKV, PagedKVCache, cache_tensors, unpack_paged_kv_cache
+from cascadeinfer.layouts.page_table import (
+    check_pages_in_pool,
+    get_seq_lens,
+    validate_page_table,
+)
+from cascadeinfer.layouts.paged_cache import (
+    PagedKV,
+    PagedKVCache,
+    cache_tensors,
+    unpack_paged_kv_cache,
+)
 
 
 @triton.jit
@@ -261,38 +268,3 @@ def _append_torch(
     for cache, src in ((kv.k, append_key), (kv.v, append_value)):
         nhd = cache if kv.kv_layout == "NHD" else cache.transpose(1, 2)  # view [P, page_size, H, D]
         nhd[pages, slots] = src[real]
-
-
-def append_paged_kv_cache_ref(
-    append_key: torch.Tensor,
-    append_value: torch.Tensor,
-    batch_indices: torch.Tensor,
-    positions: torch.Tensor,
-    paged_kv_cache: PagedKVCache,
-    kv_indices: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    kv_last_page_len: torch.Tensor,
-    *,
-    kv_layout: str = "NHD",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference: the K and V caches after the append, as new float64 tensors.
-
-    Same arguments as :func:`append_paged_kv_cache`; the input cache is not modified.
-    Returns ``(k, v)`` in the layout's per-tensor form (``[num_pages, page_size, Hkv, D]``
-    for NHD, ``[num_pages, Hkv, page_size, D]`` for HND), float64 (exact for every input
-    dtype). One token at a time, on the host; ``kv_last_page_len`` is not needed.
-    """
-    kv = unpack_paged_kv_cache(paged_kv_cache, kv_layout)
-    k, v = kv.k.double().cpu().clone(), kv.v.double().cpu().clone()
-    key, value = append_key.double().cpu(), append_value.double().cpu()
-    indptr, indices = kv_indptr.tolist(), kv_indices.tolist()
-    for j, (b, p) in enumerate(zip(batch_indices.tolist(), positions.tolist())):
-        if b < 0:
-            continue
-        page = indices[indptr[b] + p // kv.page_size]
-        slot = p % kv.page_size
-        if kv_layout == "NHD":
-            k[page, slot], v[page, slot] = key[j], value[j]
-        else:
-            k[page, :, slot], v[page, :, slot] = key[j], value[j]
-    return k, v

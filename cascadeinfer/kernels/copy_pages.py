@@ -12,7 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from cascadeinfer._checks import FLOAT_DTYPES, capturing, check_int32_vector, check_tensor, next_power_of_2, use_triton
+from cascadeinfer._checks import FLOAT_DTYPES, check_int32_vector, check_tensor
+from cascadeinfer._device import capturing, next_power_of_2, use_triton
 
 
 @triton.jit

@@ -24,7 +24,7 @@ launch never reads the page table on the host and can be captured in a CUDA grap
 With one split the kernel writes the output and the natural-log LSE directly. With more,
 each split writes its attention state (normalised fp32 output, natural-log LSE; an empty
 range gives ``(0, -inf)``) and stage 2, the kernel of
-:func:`cascadeinfer.kernels.merge.merge_states`, merges them straight into the output in
+:func:`cascadeinfer.kernels.merge_many.merge_states`, merges them straight into the output in
 q's dtype. The default plan (:func:`pick_decode_config`, :func:`decode_num_splits`) picks
 the launch config and the split count from ``batch * num_kv_heads`` and the SM count
 alone: one wave of programs with enough K/V loads in flight, and no split at all once
@@ -47,18 +47,15 @@ import triton.language as tl
 
 from cascadeinfer._checks import (
     FLOAT_DTYPES,
-    capturing,
     check_int32_vector,
     check_last_dim_contiguous,
     check_tensor,
     default_sm_scale,
-    next_power_of_2,
     same_device,
-    use_triton,
 )
+from cascadeinfer._device import capturing, next_power_of_2, use_triton
 from cascadeinfer.kernels import decode_balanced as balanced
-from cascadeinfer.kernels import merge as merge_mod
-from cascadeinfer.kernels import policy
+from cascadeinfer.kernels import merge_many, policy
 from cascadeinfer.kernels.constants import LOG2E
 from cascadeinfer.kernels.decode_balanced import attend_tile
 from cascadeinfer.kernels.launch import LaunchCache, given, launch, recorded, scratch
@@ -73,6 +70,7 @@ from cascadeinfer.kernels.policy import (
     pick_decode_schedule,
 )
 from cascadeinfer.kernels.reference import batch_decode_paged_ref
+from cascadeinfer.kernels.softmax import finish_state
 from cascadeinfer.layouts.page_table import check_pages_in_pool, validate_page_table
 from cascadeinfer.layouts.paged_cache import (
     PagedKV,
@@ -99,7 +97,7 @@ def _decode_tile(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     MASKED: tl.constexpr,  # the tile may reach past t_end (the tail tile)
-    IEEE: tl.constexpr,  # fp32 inputs: exact fp32 products
+    DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs: exact fp32 products
 ):
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -134,7 +132,7 @@ def _decode_tile(
         k = tl.load(k_ptr + offs, mask=mask, other=0.0)
         v = tl.load(v_ptr + offs, mask=mask, other=0.0)
 
-    return attend_tile(acc, l_i, m_i, q, k, v, qk_scale, tok < t_end, MASKED, IEEE)
+    return attend_tile(acc, l_i, m_i, q, k, v, qk_scale, tok < t_end, MASKED, DOT_PRECISION)
 
 
 @triton.jit(do_not_specialize=["num_kv_heads", "num_splits"])
@@ -165,7 +163,7 @@ def _decode_kernel(
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,  # keys per tile
     NUM_STAGES: tl.constexpr,
-    IEEE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     SPLIT: tl.constexpr,  # False: one split, write out and lse; True: write this split's partial state
 ):
     pid = tl.program_id(0)
@@ -203,18 +201,18 @@ def _decode_kernel(
     for t in tl.range(t_begin, t_full, BLOCK_N, num_stages=NUM_STAGES):
         acc, l_i, m_i = _decode_tile(
             acc, l_i, m_i, q, k_head, v_head, page_ptr, t, t_end, stride_page, stride_token,
-            qk_scale, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, False, IEEE,
+            qk_scale, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, False, DOT_PRECISION,
         )
     if t_full < t_end:
         acc, l_i, m_i = _decode_tile(
             acc, l_i, m_i, q, k_head, v_head, page_ptr, t_full, t_end, stride_page, stride_token,
-            qk_scale, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, True, IEEE,
+            qk_scale, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, True, DOT_PRECISION,
         )
 
     # Emptiness comes from the range, never from l: a NaN key leaves l = NaN, which must
     # reach the output, not pass for "no keys". finish_state changes the base: m and
     # log2(l) are base 2, the stored LSE is natural log.
-    o, lse = merge_mod.finish_state(acc, l_i, m_i, t_end > t_begin)
+    o, lse = finish_state(acc, l_i, m_i, t_end > t_begin)
 
     heads64 = heads.to(tl.int64)
     if SPLIT:
@@ -423,7 +421,7 @@ def _launch_per_request(q, kv: PagedKV, kv_indptr, kv_indices, kv_last_page_len,
         PAGE_SIZE=kv.page_size,
         BLOCK_N=cfg.block_n,
         NUM_STAGES=cfg.num_stages,
-        IEEE=q.dtype == torch.float32,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         SPLIT=split,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
@@ -450,4 +448,4 @@ def _launch_per_request(q, kv: PagedKV, kv_indptr, kv_indices, kv_last_page_len,
     )
     if split:
         # Stage 2 (inputs checked here already: the internal launcher, no second check).
-        merge_mod.merge_states_unchecked(part_o, part_lse, out, lse)
+        merge_many.merge_states_unchecked(part_o, part_lse, out, lse)

@@ -51,12 +51,11 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from cascadeinfer._checks import next_power_of_2
+from cascadeinfer._device import next_power_of_2
 from cascadeinfer.kernels.constants import KERNEL_LN2, KERNEL_LOG2E
 from cascadeinfer.kernels.launch import launch, scratch
-from cascadeinfer.kernels.merge import finish_state
+from cascadeinfer.kernels.softmax import finish_state, online_softmax_step
 from cascadeinfer.layouts.paged_cache import PagedKV
-
 
 
 @triton.jit
@@ -74,7 +73,7 @@ def _clamped_tile(
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    IEEE: tl.constexpr,  # fp32 inputs: exact fp32 products
+    DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs: exact fp32 products
 ):
     """One BLOCK_N-key tile of the online softmax; keys at or past t_end are masked."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -102,7 +101,7 @@ def _clamped_tile(
         k = tl.load(k_ptr + offs, mask=mask, other=0.0)
         v = tl.load(v_ptr + offs, mask=mask, other=0.0)
 
-    return attend_tile(acc, l_i, m_i, q, k, v, qk_scale, tok < t_end, True, IEEE)
+    return attend_tile(acc, l_i, m_i, q, k, v, qk_scale, tok < t_end, True, DOT_PRECISION)
 
 
 @triton.jit
@@ -113,27 +112,17 @@ def attend_tile(
     qk_scale,  # sm_scale * log2(e)
     key_ok,  # [BLOCK_N] keys that count (used when MASKED)
     MASKED: tl.constexpr,
-    IEEE: tl.constexpr,  # fp32 inputs: exact fp32 products
+    DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs
 ):
-    """One loaded K/V tile into the online softmax (both decode schedules): base-2
-    scores ``q @ k^T * qk_scale``, then the running max, sum and accumulator."""
-    if IEEE:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
-    s = s * qk_scale  # [BLOCK_H, BLOCK_N] base-2 scores
+    """One loaded K/V tile into the online softmax (both decode schedules): the scores
+    ``q @ k^T`` of the packed heads, keys outside ``key_ok`` masked, then the shared step.
+    A decode row is one token's query head: it may have seen no key yet only when a
+    masked tile or non-finite input made every score -inf, and the step guards that
+    on every tile (one select per head, nothing beside the tile's loads)."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N], unscaled
     if MASKED:
         s = tl.where(key_ok[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: subtract 0, not -inf
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if IEEE:
-        acc = tl.dot(p, v, acc * alpha[:, None], input_precision="ieee")
-    else:
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-    return acc, l_i, m_new
+    return online_softmax_step(acc, l_i, m_i, s, v, qk_scale, True, DOT_PRECISION)
 
 
 @triton.jit
@@ -211,7 +200,7 @@ def _balanced_kernel(
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,  # keys per tile
     NUM_STAGES: tl.constexpr,
-    IEEE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     BLOCK_B: tl.constexpr,  # kv_indptr entries compared per step of the request search
     PDL: tl.constexpr,  # stage 2 is a programmatic dependent launch (CUDA, sm_90+)
 ):
@@ -278,7 +267,7 @@ def _balanced_kernel(
         for t in tl.range(t_begin, t_end, BLOCK_N, num_stages=NUM_STAGES):
             acc, l_i, m_i = _clamped_tile(
                 acc, l_i, m_i, q, k_head, v_head, page_ptr, t, t_end, stride_page, stride_token,
-                qk_scale, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, IEEE,
+                qk_scale, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION,
             )
 
         # Emptiness comes from the segment's range, never from l: a NaN key leaves l = NaN,
@@ -439,7 +428,7 @@ def launch_balanced(
         PAGE_SIZE=kv.page_size,
         BLOCK_N=block_n,
         NUM_STAGES=num_stages,
-        IEEE=q.dtype == torch.float32,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         BLOCK_B=_BLOCK_B,
         PDL=pdl,
         num_warps=num_warps,

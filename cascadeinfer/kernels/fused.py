@@ -22,8 +22,9 @@ the result is cast to the activation dtype exactly where HF's code casts it —
 For fp16/bf16 inputs the products of two activation-dtype numbers are exact in float32, so
 these roundings make each op match PyTorch's own op-by-op result up to the last bit of the
 reductions and transcendental functions (``rsqrt``, ``exp``), which may differ by one unit
-in the last place. The float32 references at the bottom of this module state the
-contract; tests compare the kernels with them.
+in the last place. The float32 references (``rms_norm_ref`` and its siblings in
+:mod:`cascadeinfer.kernels.reference`) state the contract; tests compare the kernels
+with them.
 
 Inputs are token-major: rows ``[T, ...]`` with any row stride and the last dimension
 contiguous (stride 1). ``T = 0`` launches nothing. CUDA tensors (and CPU tensors under
@@ -40,12 +41,15 @@ import triton.language as tl
 
 from cascadeinfer._checks import (
     FLOAT_DTYPES,
-    capturing,
+    check_disjoint,
     check_last_dim_contiguous,
     check_tensor,
-    cuda_num_sms,
-    next_power_of_2,
-    use_triton,
+)
+from cascadeinfer._device import capturing, cuda_num_sms, next_power_of_2, use_triton
+from cascadeinfer.kernels.reference import (
+    apply_rope_ref,
+    rms_norm_ref,
+    silu_and_mul_ref,
 )
 
 # One program normalises one whole row held in registers; beyond this a row would need a
@@ -220,22 +224,6 @@ def _check_hidden(x: torch.Tensor) -> None:
         raise ValueError(f"x: hidden size {x.shape[1]} exceeds the {MAX_HIDDEN} one program holds")
 
 
-def _byte_span(t: torch.Tensor) -> tuple[int, int]:
-    last = sum((sz - 1) * st for sz, st in zip(t.shape, t.stride()))
-    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
-
-
-def _check_disjoint(a_name: str, a: torch.Tensor, b_name: str, b: torch.Tensor) -> None:
-    """Reject overlap that is cheap to see: the same first element, or both tensors dense
-    and their byte ranges meeting. Interleaved strided views are not judged."""
-    if a.numel() == 0 or b.numel() == 0:
-        return
-    (a0, a1), (b0, b1) = _byte_span(a), _byte_span(b)
-    if a0 == b0 or (a0 < b1 and b0 < a1 and a1 - a0 == a.numel() * a.element_size()
-                    and b1 - b0 == b.numel() * b.element_size()):
-        raise ValueError(f"{a_name}: overlaps {b_name} in memory; they must be separate tensors")
-
-
 def _num_warps(block: int) -> int:
     """Warps for a one-row tile of ``block`` elements: 8 to 16 elements per thread."""
     return 4 if block <= 2048 else 8 if block <= 8192 else 16
@@ -269,7 +257,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Te
     else:
         _check_rows("out", out, 2, dtype=x.dtype, device=x.device, shape=tuple(x.shape))
         if not (out.data_ptr() == x.data_ptr() and out.stride() == x.stride()):
-            _check_disjoint("out", out, "x", x)
+            check_disjoint("out", out, "x", x)
     if x.shape[0] == 0:
         return out
     if not use_triton(x.device):
@@ -301,7 +289,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     _check_rows("residual", residual, 2, dtype=x.dtype, device=x.device, shape=tuple(x.shape))
     _check_weight(weight, x)
     eps = _check_eps(eps)
-    _check_disjoint("residual", residual, "x", x)
+    check_disjoint("residual", residual, "x", x)
     if x.shape[0] == 0:
         return
     if not use_triton(x.device):
@@ -335,7 +323,7 @@ def silu_and_mul(gate_up: torch.Tensor, *, out: torch.Tensor | None = None) -> t
         out = torch.empty(tokens, inter, dtype=gate_up.dtype, device=gate_up.device)
     else:
         _check_rows("out", out, 2, dtype=gate_up.dtype, device=gate_up.device, shape=(tokens, inter))
-        _check_disjoint("out", out, "gate_up", gate_up)
+        check_disjoint("out", out, "gate_up", gate_up)
     if tokens == 0 or inter == 0:
         return out
     if not use_triton(gate_up.device):
@@ -409,49 +397,3 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_si
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), positions.stride(0), cos_sin_cache.stride(0),
         HALF=half, BLOCK_HALF=next_power_of_2(half), BLOCK_HQ=next_power_of_2(max(1, q_per)),
         BLOCK_HK=next_power_of_2(max(1, k_per)), num_warps=4, **_EXACT)
-
-
-# ----------------------------------------------------------------------------------
-# References: float32 inside, rounded where Hugging Face's modules round
-# ----------------------------------------------------------------------------------
-
-
-def _round(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t`` rounded to ``dtype`` and back to float32 (a rounding HF's code performs)."""
-    return t.to(dtype).float()
-
-
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``[T, N]`` in x's dtype: HF's LlamaRMSNorm (float32 math, two roundings)."""
-    x32 = x.float()
-    normed = _round(x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps), x.dtype)
-    return (normed * weight.float()).to(x.dtype)
-
-
-def fused_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(normed, new_residual)``, both ``[T, N]`` in x's dtype; the inputs are not changed."""
-    new_residual = (residual.float() + x.float()).to(x.dtype)
-    return rms_norm_ref(new_residual, weight, eps), new_residual
-
-
-def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
-    """``[T, I]`` in gate_up's dtype: ``silu(gate)`` rounded, times ``up``."""
-    gate, up = gate_up.float().chunk(2, dim=-1)
-    return (_round(torch.nn.functional.silu(gate), gate_up.dtype) * up).to(gate_up.dtype)
-
-
-def apply_rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-                   cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotated copies ``(q, k)`` in their dtype; the inputs are not changed."""
-    half = q.shape[-1] // 2
-    cs = cos_sin_cache.index_select(0, positions.long()).float()[:, None, :]  # [T, 1, D]
-    cos, sin = cs[..., :half], cs[..., half:]
-
-    def rotate(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.float().split(half, dim=-1)
-        lo = _round(x1 * cos, x.dtype) - _round(x2 * sin, x.dtype)
-        hi = _round(x2 * cos, x.dtype) + _round(x1 * sin, x.dtype)
-        return torch.cat((lo, hi), dim=-1).to(x.dtype)
-
-    return rotate(q), rotate(k)

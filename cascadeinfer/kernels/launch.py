@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import torch
 from triton import knobs
 
-from cascadeinfer._checks import use_triton
+from cascadeinfer._device import use_triton
 from cascadeinfer.kernels import direct_launch
 
 try:  # torch's C++ tensor guards (those of torch.compile); without them every call is keyed in Python

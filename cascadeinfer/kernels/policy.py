@@ -14,6 +14,8 @@ these rules; planners call the same public functions to size work ahead of a lau
   the measured variants, :func:`pick_decode_config`, :func:`decode_num_splits`,
   :func:`pick_balanced_config`, :func:`balanced_num_programs` and
   :func:`pick_decode_schedule`.
+* Merge (``kernels/merge.py``, ``kernels/merge_many.py``): :func:`merge_tile_config`
+  (heads and head-dim chunk per program) and :func:`merge_unroll` (states per tile).
 
 SM counts come from :func:`planning_sms`: a CUDA device's own; for CPU tensors (the
 interpreter) the H100/H200's 132, so that CPU tests check the plan a GPU gets.
@@ -21,13 +23,14 @@ interpreter) the H100/H200's 132, so that CPU tests check the plan a GPU gets.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from cascadeinfer._checks import cuda_num_sms, next_power_of_2
+from cascadeinfer._device import cuda_num_sms, next_power_of_2
 from cascadeinfer.kernels.decode_balanced import MAX_PROGRAMS as MAX_BALANCED_PROGRAMS
 from cascadeinfer.layouts.indptr import host_array
 
@@ -445,3 +448,52 @@ def pick_decode_schedule(batch: int, num_kv_heads: int, device: torch.device | s
         if longest > 0 and float(lens.sum()) / batch < _MIN_LENGTH_BALANCE * longest:
             return "balanced"
     return "per_request"
+
+
+# ---------------------------------------------------------------------------------- merge
+
+# Tiles of the merge kernels, from the H200 sweep in benchmarks/tools/tune_merge.py
+# (benchmarks/NOTES.md): (bytes of values one program holds per state, 16-byte vectors per
+# thread and state). Two states: 2 vectors a thread was best at every tile size (1 or 4:
+# 10-15% slower). Many states: small programs (bf16 D=128: 2 heads, one warp, one vector a
+# thread and state) with 8 states per 3-D tile; larger 3-D tiles cost registers fast and
+# the multi-warp ones ran up to 5x slower.
+MERGE_TWO_TILE = (4096, 2)  # the two-state kernel
+MERGE_MANY_TILE = (512, 1)  # the many-state kernel
+MERGE_MAX_UNROLL = 8  # states per value tile (and LSE tile) in the many-state kernel
+MERGE_MAX_UNROLL_FEW = 32  # the same when programs are too few to fill the GPU (latency-bound)
+
+
+def merge_min_programs(device: torch.device) -> int:
+    """Programs that keep every SM busy: 4 per SM of :func:`planning_sms`."""
+    return 4 * planning_sms(device)
+
+
+def merge_tile_config(n: int, num_heads: int, head_dim: int, elem_size: int, device: torch.device,
+                      tile: tuple[int, int] = MERGE_MANY_TILE) -> tuple[int, int, int]:
+    """``(BLOCK_H, BLOCK_D, num_warps)`` of a merge of ``n`` rows of ``[num_heads, head_dim]``
+    values of ``elem_size`` bytes: about ``tile[0]`` bytes of values per program and state,
+    ``tile[1]`` 16-byte vectors per thread and state along head_dim, fewer heads per program
+    when rows are few (so that every SM gets programs). From shapes only."""
+    min_programs = merge_min_programs(device)
+    return _merge_tile_config(min(n, min_programs), num_heads, head_dim, elem_size, min_programs, *tile)
+
+
+@functools.cache
+def _merge_tile_config(n: int, num_heads: int, head_dim: int, elem_size: int, min_programs: int,
+                       tile_bytes: int, vecs_per_thread: int) -> tuple[int, int, int]:
+    tile = tile_bytes // elem_size
+    block_d = min(next_power_of_2(head_dim), tile)
+    block_h = max(1, min(tile // block_d, next_power_of_2(num_heads)))
+    while block_h > 1 and n * -(-num_heads // block_h) < min_programs:
+        block_h //= 2
+    vec = 16 // elem_size
+    num_warps = max(1, min(16, block_h * block_d // (vecs_per_thread * vec * 32)))
+    return block_h, block_d, num_warps
+
+
+def merge_unroll(states_per_row: int, few_programs: bool) -> int:
+    """States per value tile of the many-state merge for a typical number of states per
+    row: more when the grid is too small to fill the GPU (each tile is one round trip to
+    memory)."""
+    return min(MERGE_MAX_UNROLL_FEW if few_programs else MERGE_MAX_UNROLL, next_power_of_2(max(1, states_per_row)))

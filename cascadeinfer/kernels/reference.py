@@ -1,10 +1,19 @@
-"""Float64 references: the definitions every kernel is tested against.
+"""References: the definitions every kernel is tested against.
 
 Readable first, fast never. Natural-log LSE; the empty key set gives ``(0, -inf)``.
-:func:`attention_state_ref` and :func:`merge_state_ref` are the math; the batched
-references of the paged and ragged launchers (:func:`batch_decode_paged_ref`,
-:func:`batch_prefill_paged_ref`, :func:`batch_prefill_ragged_ref`) apply it per request or
-group, and serve as the launchers' path for plain-CPU tensors.
+
+* Attention states, float64: :func:`attention_state_ref` and :func:`merge_state_ref` are
+  the math; the batched references of the paged and ragged launchers
+  (:func:`batch_decode_paged_ref`, :func:`batch_prefill_paged_ref`,
+  :func:`batch_prefill_ragged_ref`) apply it per request or group, and the many-state
+  merges' (:func:`merge_states_ref`, :func:`merge_states_ragged_ref`) per row.
+* The fused elementwise ops of :mod:`cascadeinfer.kernels.fused`, float32 and rounded
+  where Hugging Face's modules round: :func:`rms_norm_ref`, :func:`fused_add_rms_norm_ref`,
+  :func:`silu_and_mul_ref`, :func:`apply_rope_ref`.
+* The paged cache after :func:`cascadeinfer.kernels.append.append_paged_kv_cache`, float64:
+  :func:`append_paged_kv_cache_ref`, one token at a time.
+
+Each also serves as its launcher's path for plain-CPU tensors (no Triton interpreter).
 """
 
 from __future__ import annotations
@@ -13,7 +22,12 @@ import math
 
 import torch
 
-from cascadeinfer.layouts.paged_cache import PagedKV, PagedKVCache, gather_paged_kv, unpack_paged_kv_cache
+from cascadeinfer.layouts.paged_cache import (
+    PagedKV,
+    PagedKVCache,
+    gather_paged_kv,
+    unpack_paged_kv_cache,
+)
 
 
 def attention_state_ref(
@@ -181,3 +195,131 @@ def batch_prefill_ragged_ref(
             ka, kz = kb[g], kb[g + 1]
             o[a:b], lse[a:b] = attention_state_ref(q[a:b], k[ka:kz], v[ka:kz], sm_scale=sm_scale, causal=causal)
     return o, lse
+
+
+# ----------------------------------------------------------------------------------
+# Merges of many states per row (kernels/merge_many.py), float64
+# ----------------------------------------------------------------------------------
+
+
+def merge_states_ref(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float64 merge of ``v: [n, S, H, D]``, ``s: [n, S, H]`` (natural log) over dim 1.
+
+    Returns ``(v [n, H, D], s [n, H])`` in float64, natural-log LSE, with the merge
+    contract (:mod:`cascadeinfer.kernels.merge`): empty rows give ``(0, -inf)``; empty
+    states contribute exactly zero, any other state's NaN or inf in ``v`` stays; an LSE
+    of ``+inf``/NaN makes its (row, head) ``(NaN, NaN)``.
+    """
+    s = s.double()
+    lse = torch.logsumexp(s, dim=1)  # [n, H]; -inf where every state is empty
+    finite = torch.isfinite(lse)
+    w = torch.where(finite[:, None], torch.exp(s - torch.where(finite, lse, 0.0)[:, None]), 0.0)
+    w = w[..., None]
+    o = torch.where((s == -math.inf)[..., None], 0.0, w * v.double()).sum(dim=1)
+    bad = (torch.isnan(s) | (s == math.inf)).any(dim=1)
+    o = torch.where(bad[..., None], math.nan, o)
+    lse = torch.where(bad, math.nan, lse)
+    return o, lse
+
+
+def merge_states_ragged_ref(
+    v: torch.Tensor, s: torch.Tensor, indptr: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float64 merge of row ``i``'s states ``v[indptr[i]:indptr[i+1]]`` (``v: [nnz, H, D]``,
+    ``s: [nnz, H]`` natural log). Returns ``(v [n, H, D], s [n, H])`` float64, natural-log
+    LSE, as :func:`merge_states_ref` on the rows padded with empty states."""
+    indptr = indptr.long()
+    counts = indptr[1:] - indptr[:-1]
+    width = int(counts.max()) if counts.numel() else 0
+    slot = torch.arange(width, device=v.device)
+    live = slot[None, :] < counts[:, None]  # [n, width]
+    idx = torch.where(live, indptr[:-1, None] + slot[None, :], 0)
+    s_pad = torch.where(live[..., None], s.double()[idx], -math.inf)  # [n, width, H]
+    v_pad = torch.where(live[..., None, None], v.double()[idx], 0.0)  # [n, width, H, D]
+    return merge_states_ref(v_pad, s_pad)
+
+
+# ----------------------------------------------------------------------------------
+# Fused elementwise ops (kernels/fused.py): float32 inside, rounded where HF rounds
+# ----------------------------------------------------------------------------------
+
+
+def _round(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` rounded to ``dtype`` and back to float32 (a rounding HF's code performs)."""
+    return t.to(dtype).float()
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x: [T, N]``, ``weight: [N]`` (fp16/bf16/fp32, one dtype) -> ``[T, N]`` in x's
+    dtype: HF's LlamaRMSNorm (float32 math, two roundings)."""
+    x32 = x.float()
+    normed = _round(x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps), x.dtype)
+    return (normed * weight.float()).to(x.dtype)
+
+
+def fused_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x, residual: [T, N]``, ``weight: [N]`` -> ``(normed, new_residual)``, both ``[T, N]``
+    in x's dtype (the sum rounded before the norm reads it); the inputs are not changed."""
+    new_residual = (residual.float() + x.float()).to(x.dtype)
+    return rms_norm_ref(new_residual, weight, eps), new_residual
+
+
+def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """``gate_up: [T, 2 * I]`` (gate, then up) -> ``[T, I]`` in its dtype: ``silu(gate)``
+    rounded, times ``up``."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (_round(torch.nn.functional.silu(gate), gate_up.dtype) * up).to(gate_up.dtype)
+
+
+def apply_rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                   cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotated copies ``(q [T, Hq, D], k [T, Hkv, D])`` in their dtype, by the rows
+    ``cos_sin_cache[positions]`` (``[max_positions, D]``: cos of the ``D / 2`` frequencies,
+    then their sin; ``positions: [T]`` int); the inputs are not changed."""
+    half = q.shape[-1] // 2
+    cs = cos_sin_cache.index_select(0, positions.long()).float()[:, None, :]  # [T, 1, D]
+    cos, sin = cs[..., :half], cs[..., half:]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.float().split(half, dim=-1)
+        lo = _round(x1 * cos, x.dtype) - _round(x2 * sin, x.dtype)
+        hi = _round(x2 * cos, x.dtype) + _round(x1 * sin, x.dtype)
+        return torch.cat((lo, hi), dim=-1).to(x.dtype)
+
+    return rotate(q), rotate(k)
+
+
+def append_paged_kv_cache_ref(
+    append_key: torch.Tensor,
+    append_value: torch.Tensor,
+    batch_indices: torch.Tensor,
+    positions: torch.Tensor,
+    paged_kv_cache: PagedKVCache,
+    kv_indices: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_last_page_len: torch.Tensor,
+    *,
+    kv_layout: str = "NHD",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference: the K and V caches after the append, as new float64 tensors.
+
+    Same arguments as :func:`append_paged_kv_cache`; the input cache is not modified.
+    Returns ``(k, v)`` in the layout's per-tensor form (``[num_pages, page_size, Hkv, D]``
+    for NHD, ``[num_pages, Hkv, page_size, D]`` for HND), float64 (exact for every input
+    dtype). One token at a time, on the host; ``kv_last_page_len`` is not needed.
+    """
+    kv = unpack_paged_kv_cache(paged_kv_cache, kv_layout)
+    k, v = kv.k.double().cpu().clone(), kv.v.double().cpu().clone()
+    key, value = append_key.double().cpu(), append_value.double().cpu()
+    indptr, indices = kv_indptr.tolist(), kv_indices.tolist()
+    for j, (b, p) in enumerate(zip(batch_indices.tolist(), positions.tolist())):
+        if b < 0:
+            continue
+        page = indices[indptr[b] + p // kv.page_size]
+        slot = p % kv.page_size
+        if kv_layout == "NHD":
+            k[page, slot], v[page, slot] = key[j], value[j]
+        else:
+            k[page, :, slot], v[page, :, slot] = key[j], value[j]
+    return k, v

@@ -19,7 +19,8 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-from cascadeinfer._checks import capturing, check_tensor
+from cascadeinfer._checks import check_tensor
+from cascadeinfer._device import capturing
 
 INT32_MAX = 2**31 - 1
 

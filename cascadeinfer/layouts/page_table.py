@@ -32,9 +32,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cascadeinfer._checks import capturing, check_int32_vector, check_tensor
+from cascadeinfer._checks import check_int32_vector, check_tensor
+from cascadeinfer._device import capturing
 from cascadeinfer.layouts.indptr import as_int_list, check_monotone, host_array
-
 
 _INT32_MAX = 2**31 - 1
 
