@@ -34,9 +34,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cascadeinfer._checks import use_triton
-from cascadeinfer.engine.model_loader import ModelConfig, ModelLoadError, iter_checkpoint_tensors
-from cascadeinfer.kernels.fused import apply_rope, fused_add_rms_norm, rms_norm, silu_and_mul
+from cascadeinfer._device import use_triton
+from cascadeinfer.engine.model_loader import (
+    ModelConfig,
+    ModelLoadError,
+    iter_checkpoint_tensors,
+)
+from cascadeinfer.kernels.fused import (
+    apply_rope,
+    fused_add_rms_norm,
+    rms_norm,
+    silu_and_mul,
+)
 
 # attention(layer_index, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> o [T, Hq, D]
 Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -271,8 +280,9 @@ class LlamaForCausalLM(nn.Module):
         """float32 logits ``[rows, vocab]`` of the tokens ``logits_index`` (all if None).
 
         ``input_ids``, ``positions``: int64 ``[num_tokens]``; ``attention`` is called once
-        per layer (see :data:`Attention`). ``out``: a float32 ``[rows, vocab]`` buffer to
-        write the logits into (the cast from the model's dtype is that one write).
+        per layer (see :data:`Attention`). ``out``: a ``[rows, vocab]`` buffer to write the
+        logits into instead, in its own dtype (the model's: the head's product written in
+        place; float32: the cast is that one write); returns ``out``.
         """
         x = F.embedding(input_ids, self.embed_tokens)
         residual = None
@@ -283,6 +293,8 @@ class LlamaForCausalLM(nn.Module):
             residual = None if residual is None else residual.index_select(0, logits_index)
         x, _ = self.norm.add_norm(x, residual, self.fused)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
+        if out is not None and out.dtype == x.dtype:
+            return torch.mm(x, head.t(), out=out)
         if out is not None:
             return out.copy_(F.linear(x, head))
         return F.linear(x, head).float()

@@ -28,18 +28,17 @@ from dataclasses import dataclass
 
 import torch
 
-from cascadeinfer._checks import next_power_of_2
-from cascadeinfer.cascade.multi_level import MultiLevelCascadeAttention
+from cascadeinfer._device import next_power_of_2
 from cascadeinfer.cascade.grouping import group_levels
+from cascadeinfer.cascade.multi_level import MultiLevelCascadeAttention
 from cascadeinfer.cascade.plan import HostLevel, choose_cascade
 from cascadeinfer.engine.config import EngineConfig
 from cascadeinfer.engine.llama import LlamaForCausalLM
 from cascadeinfer.engine.scheduler import ScheduledBatch
 from cascadeinfer.engine.sequence import Sequence
-from cascadeinfer.kernels.append import append_paged_kv_cache
 from cascadeinfer.kernels import batch_prefill_paged, batch_prefill_ragged
+from cascadeinfer.kernels.append import append_paged_kv_cache
 from cascadeinfer.layouts.pool import PagedKVPool
-
 
 # ---- the attention of one step --------------------------------------------------------
 
@@ -155,7 +154,9 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch, previous: tuple[torch.Tensor, dict[int, int]] | None = None
                 ) -> tuple[list[Sequence], torch.Tensor, StepStats]:
         """Run one step. Returns the sequences that sample, in the order of the rows of the
-        float32 logits ``[rows, vocab]``, and the step's statistics. Reads nothing back.
+        logits ``[rows, vocab]`` (float32, or the model's dtype from a captured decode step:
+        :func:`cascadeinfer.engine.sampling.sample` takes either), and the step's
+        statistics. Reads nothing back.
 
         ``previous``: the last step's samples on the device and each sequence's index in
         them (by ``seq_id``), for sequences whose last token the host has not read yet;
@@ -293,8 +294,11 @@ class DecodeGraphs:
         self.positions = torch.zeros(b, dtype=torch.int64, device=dev)
         self.append_rows = torch.zeros(b, dtype=torch.int32, device=dev)
         self.append_positions = torch.zeros(b, dtype=torch.int32, device=dev)
-        # Every graph writes its logits here (one buffer, not one per graph: [batch, vocab] fp32 is big).
-        self.logits = torch.empty(b, runner.model.config.vocab_size, dtype=torch.float32, device=dev)
+        # Every graph writes its logits here (one buffer, not one per graph: [batch, vocab] is
+        # big), in the model's dtype: greedy rows take their argmax from it directly, and a
+        # float32 copy would cost a write and a read of the whole buffer per step.
+        self.logits = torch.empty(b, runner.model.config.vocab_size, dtype=runner.model.embed_tokens.dtype,
+                                  device=dev)
         self.steps: dict[tuple, _Captured] = {}
         self.mempool = torch.cuda.graph_pool_handle() if capture else None
 
@@ -315,7 +319,7 @@ class DecodeGraphs:
 
     def run(self, seqs: list[Sequence], levels: list[HostLevel], cascade: bool,
             previous: tuple[torch.Tensor, dict[int, int]] | None = None) -> torch.Tensor:
-        """Replay (capturing first if new) the step for ``seqs``; float32 logits ``[n, vocab]``.
+        """Replay (capturing first if new) the step for ``seqs``; logits ``[n, vocab]`` in the model's dtype.
         ``previous``: see :meth:`ModelRunner.execute`."""
         n = len(seqs)
         batch = self.bucket(n)

@@ -179,7 +179,9 @@ def sample(
 ) -> torch.Tensor:
     """One token per row: int64 ``[rows]`` on the logits' device (no host read).
 
-    ``logits``: float32 ``[rows, vocab]``. ``params[r]``, ``seeds[r]`` and ``steps[r]``
+    ``logits``: ``[rows, vocab]``, float32 or the model's fp16 / bf16 (greedy rows take
+    the argmax of the values as given, which a float32 cast would not change; sampled rows
+    are scaled and normalised in float32). ``params[r]``, ``seeds[r]`` and ``steps[r]``
     belong to row ``r``: its sampling parameters, the seed of its stream (greedy rows
     need none) and how many tokens it has sampled before (the position in its stream).
     Per-row values travel to the device in one copy; the device work is the same few
@@ -202,6 +204,7 @@ def sample(
     host[:, 3] = sample_uniforms([0 if s is None else s for s in seeds], steps)
     per_row = host.to(logits.device, non_blocking=True)
     temperature = per_row[:, 0].float()
+    logits = logits.float()  # a no-op for float32 logits
     is_greedy = temperature == 0
     scaled = logits / torch.where(is_greedy, 1.0, temperature)[:, None]
     if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
