@@ -37,11 +37,22 @@ from benchmarks._common import (
     load_flashinfer,
     markdown_table,
     measure_ceilings,
-    rotation_count,
     roofline_floor,
+    rotation_count,
     write_json,
 )
-from benchmarks.fixtures import DTYPE, HKV, HQ, PAGE, D, fi_wrapper, io_bytes, kv_bytes, new_pool, page_table
+from benchmarks.fixtures import (
+    DTYPE,
+    HKV,
+    HQ,
+    PAGE,
+    D,
+    fi_wrapper,
+    io_bytes,
+    kv_bytes,
+    new_pool,
+    page_table,
+)
 from cascadeinfer.kernels import decode as decode_mod
 from cascadeinfer.kernels.decode import batch_decode_paged
 from cascadeinfer.kernels.policy import DECODE_VARIANTS, SCHEDULES, pick_decode_schedule
@@ -83,7 +94,7 @@ def check_correctness(fi, device: str = "cuda", lens: tuple[int, ...] = (0, 1, 1
             q, pool, indptr, indices, last, kv_layout=layout, num_splits=splits, schedule=sched)
             for sched in SCHEDULES}
         for name, cfg in DECODE_VARIANTS.items():
-            runs[name] = lambda splits, cfg=cfg: decode_mod._batch_decode_paged(
+            runs[name] = lambda splits, cfg=cfg: decode_mod.decode_with_config(
                 q, pool, indptr, indices, last, kv_layout=layout, sm_scale=None, num_splits=splits,
                 schedule="per_request", out=None, lse=None, validate=True, config=cfg)
         for name, run in runs.items():
@@ -141,7 +152,7 @@ def time_shape(label: str, lens: list[int], copy_bw: float, mm_rate: float, fi, 
                floor_us=floor * 1e6, copy_GBps=copy_bw / 1e9)
 
     def ours(i, cfg=None, sched=None):
-        return lambda: decode_mod._batch_decode_paged(
+        return lambda: decode_mod.decode_with_config(
             qs[i], pools[i], indptr, indices, last, kv_layout="NHD", sm_scale=None, num_splits=None,
             schedule=sched, out=outs[i], lse=lses[i], validate=False, config=cfg)
 

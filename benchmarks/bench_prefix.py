@@ -35,11 +35,19 @@ from benchmarks._common import (
     load_flashinfer,
     markdown_table,
     measure_ceilings,
-    rotation_count,
     roofline_floor,
+    rotation_count,
     write_json,
 )
-from benchmarks.fixtures import DTYPE, HKV, HQ, PAGE, D, new_pool, page_table  # one shape, one pool layout
+from benchmarks.fixtures import (  # one shape, one pool layout
+    DTYPE,
+    HKV,
+    HQ,
+    PAGE,
+    D,
+    new_pool,
+    page_table,
+)
 from cascadeinfer.kernels import policy
 from cascadeinfer.kernels import prefill as P
 from cascadeinfer.kernels.prefill import batch_prefill_paged
@@ -142,11 +150,11 @@ def check_correctness(fi) -> None:
 
 def run_config(q, qo, pool, indptr, indices, last, cfg, splits, layout="NHD", out=None, lse=None):
     """batch_prefill_paged with a forced tile config and split count (None: the default)."""
-    source = P._paged_source(unpack_paged_kv_cache(pool, layout), indptr, indices, last)
+    source = P.paged_source(unpack_paged_kv_cache(pool, layout), indptr, indices, last)
     if out is None:
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:2], device=q.device)
-    return P._run(q, qo, source, out, lse, causal=False, sm_scale=SM_SCALE,
+    return P.run_prefill(q, qo, source, out, lse, causal=False, sm_scale=SM_SCALE,
                   num_splits=splits, config=cfg)
 
 

@@ -230,7 +230,7 @@ def test_random_shapes(lens, page_size, hkv, group, head_dim, num_splits, dtype,
 def run_config(device, cfg, *, num_splits, layout="NHD", schedule="per_request", **case):
     q, cache, indptr, indices, last = make_case(device, layout=layout, **case)
     out, lse = poisoned(q)
-    o, s = decode_mod._batch_decode_paged(
+    o, s = decode_mod.decode_with_config(
         q, cache, indptr, indices, last, kv_layout=layout, sm_scale=None, num_splits=num_splits,
         schedule=schedule, out=out, lse=lse, validate=True, config=cfg)
     assert o is out and s is lse

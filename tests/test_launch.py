@@ -60,7 +60,7 @@ def test_decode_replays_with_new_tensors(device, monkeypatch, num_splits):
     q, cache = decode_case(device, 0)
     ci.batch_decode_paged(q, cache, indptr, indices, last, num_splits=num_splits, out=torch.empty_like(q),
                           validate=False)
-    forbid(monkeypatch, decode_mod, "_batch_decode_paged")
+    forbid(monkeypatch, decode_mod, "decode_with_config")
     q2, cache2 = decode_case(device, 1)
     indices2 = T([8, 7, 6, 5, 4, 3, 2, 1], device)
     out = torch.full_like(q2, float("nan"))
@@ -91,7 +91,7 @@ def test_tuple_cache_and_views_of_one_storage(device, monkeypatch):
         return o, lse, decode_reference(q, kv, indptr, indices, last)
 
     call(0)
-    forbid(monkeypatch, decode_mod, "_batch_decode_paged")
+    forbid(monkeypatch, decode_mod, "decode_with_config")
     o, lse, ref = call(1)
     assert_state(o, lse, *ref)
 
@@ -121,7 +121,7 @@ def test_prefill_and_ragged_replay(device, monkeypatch):
     for splits in (None, 2):
         paged(0, splits)
     ragged(0)
-    forbid(monkeypatch, prefill_mod, "_run")
+    forbid(monkeypatch, prefill_mod, "run_prefill")
     for splits in (None, 2):
         o, lse, (o_ref, lse_ref) = paged(1, splits)
         assert_state(o, lse, o_ref.double(), lse_ref.double(), 1e-2)
@@ -164,7 +164,7 @@ def test_replays_allocate_fresh_outputs_like_the_recorded_ones(device, monkeypat
     }
     for name, call in calls.items():
         first = call()
-        forbid(monkeypatch, decode_mod, "_batch_decode_paged")
+        forbid(monkeypatch, decode_mod, "decode_with_config")
         forbid(monkeypatch, merge_many_mod, "merge_states_unchecked")
         forbid(monkeypatch, merge_mod, "_merge_two")
         for mode in (torch.inference_mode, torch.enable_grad):
@@ -294,7 +294,7 @@ def test_lengthless_tensors_replay_with_any_length(device, monkeypatch):
     indptr, last = T([0, 3, 6, 8], device), T([1, 4, 2], device)
     q, cache = decode_case(device, 0)
     ci.batch_decode_paged(q, cache, indptr, T([0, 1, 2, 3, 4, 5, 6, 7], device), last, validate=False)
-    forbid(monkeypatch, decode_mod, "_batch_decode_paged")
+    forbid(monkeypatch, decode_mod, "decode_with_config")
     for indices in (T([8, 7, 6, 5, 4, 3, 2, 1, 0, 0, 0], device), T([2, 3, 4, 5, 6, 7, 8, 1], device)):
         for _ in range(2):  # keyed, then guarded
             o, lse = ci.batch_decode_paged(q, cache, indptr, indices, last, validate=False)

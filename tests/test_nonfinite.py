@@ -238,7 +238,7 @@ def run_prefill(fn_default, q, qo_indptr, source, forced, causal):
         return fn_default()
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], device=q.device)
-    return P._run(q, qo_indptr, source, out, lse, causal=causal, sm_scale=q.shape[2] ** -0.5, num_splits=2,
+    return P.run_prefill(q, qo_indptr, source, out, lse, causal=causal, sm_scale=q.shape[2] ** -0.5, num_splits=2,
                   config=SMALL)
 
 
@@ -274,7 +274,7 @@ def test_prefill_paged(device, bad, causal, forced):
     args = (q, qo_indptr, cache, table.kv_indptr, table.kv_indices, table.kv_last_page_len)
     ref = P.batch_prefill_paged_ref(*args, causal=causal)
     prefill_expectations(ref[1], causal)
-    source = P._paged_source(unpack_paged_kv_cache(cache, "NHD"), *args[3:])
+    source = P.paged_source(unpack_paged_kv_cache(cache, "NHD"), *args[3:])
     o, lse = run_prefill(lambda: batch_prefill_paged(*args, causal=causal), q, qo_indptr, source, forced, causal)
     check(o, lse, *ref)
 
@@ -299,7 +299,7 @@ def test_prefill_ragged(device, bad, causal, forced):
     kv_indptr = indptr_from_lengths(KV_LENS, device=device)
     ref = P.batch_prefill_ragged_ref(q, qo_indptr, k, v, kv_indptr, causal=causal)
     prefill_expectations(ref[1], causal)
-    source = P._ragged_source(q, k, v, kv_indptr)
+    source = P.ragged_source(q, k, v, kv_indptr)
     o, lse = run_prefill(lambda: batch_prefill_ragged(q, qo_indptr, k, v, kv_indptr, causal=causal),
                          q, qo_indptr, source, forced, causal)
     check(o, lse, *ref)
@@ -337,7 +337,7 @@ def test_shared_prefix(device, bad, where, forced):
         assert bool(poisoned.any()) and bool((~poisoned).any())
     if where == "v":
         assert bool(poisoned[:, :2].all())
-    source = P._ragged_source(q, k, v, None)
+    source = P.ragged_source(q, k, v, None)
     o, lse = run_prefill(lambda: shared_prefix_attention(q, k, v), q, None, source, forced, False)
     check(o, lse, *ref)
 
@@ -384,7 +384,7 @@ def test_causal_hidden_values(device, bad, layout, dtype, forced):
         v[6 + 2, 0, 0] = bad  # group 1 key 2: only row 4 sees it
         kv_indptr = indptr_from_lengths(kv_lens, device=device)
         ref = P.batch_prefill_ragged_ref(q, qo_indptr, k, v, kv_indptr, causal=True)
-        source = P._ragged_source(q, k, v, kv_indptr)
+        source = P.ragged_source(q, k, v, kv_indptr)
         call = lambda: batch_prefill_ragged(q, qo_indptr, k, v, kv_indptr, causal=True)  # noqa: E731
     else:
         cache, table, lists, _ = paged_case(kv_lens, page_size, hkv, d, dtype, device, seed=16)
@@ -394,7 +394,7 @@ def test_causal_hidden_values(device, bad, layout, dtype, forced):
         cache[page, 1, slot, 0, 0] = bad
         args = (q, qo_indptr, cache, table.kv_indptr, table.kv_indices, table.kv_last_page_len)
         ref = P.batch_prefill_paged_ref(*args, causal=True)
-        source = P._paged_source(unpack_paged_kv_cache(cache, "NHD"), *args[3:])
+        source = P.paged_source(unpack_paged_kv_cache(cache, "NHD"), *args[3:])
         call = lambda: batch_prefill_paged(*args, causal=True)  # noqa: E731
     poisoned = torch.isnan(ref[1]).all(-1)
     assert poisoned.tolist() == [False] * 4 + [True] * 2 + [False] * 4 + [True]

@@ -19,7 +19,11 @@ from hypothesis import strategies as st
 
 from cascadeinfer.kernels import policy
 from cascadeinfer.kernels import prefill as P
-from cascadeinfer.kernels.prefill import batch_prefill_paged, batch_prefill_ragged, shared_prefix_attention
+from cascadeinfer.kernels.prefill import (
+    batch_prefill_paged,
+    batch_prefill_ragged,
+    shared_prefix_attention,
+)
 from cascadeinfer.kernels.reference import attention_state_ref, merge_state_ref
 from cascadeinfer.layouts.indptr import indptr_from_lengths
 from cascadeinfer.layouts.page_table import PageTable
@@ -95,8 +99,8 @@ def run_paged(device, *, qo_lens, kv_lens, num_kv_heads, group, head_dim, dtype,
         o, s = batch_prefill_paged(*args, causal=causal, kv_layout=layout, out=out, lse=lse)
         assert o is out and s is lse
     else:
-        source = P._paged_source(unpack_paged_kv_cache(cache, layout), *args[3:])
-        P._run(q, qo_indptr, source, out, lse, causal=causal, sm_scale=head_dim ** -0.5, num_splits=num_splits,
+        source = P.paged_source(unpack_paged_kv_cache(cache, layout), *args[3:])
+        P.run_prefill(q, qo_indptr, source, out, lse, causal=causal, sm_scale=head_dim ** -0.5, num_splits=num_splits,
                config=config)
     ref = P.batch_prefill_paged_ref(*args, causal=causal, kv_layout=layout)
     check_state(out, lse, *ref, dtype)
@@ -146,11 +150,11 @@ def test_split_partials_merge_to_reference(device, num_splits):
                               gen=gen)
     qo_indptr = indptr_from_lengths([5, 3], device=device)
     q = _randn((8, hkv * group, d), dtype, device, gen)
-    source = P._paged_source(unpack_paged_kv_cache(cache, "NHD"), table.kv_indptr, table.kv_indices,
+    source = P.paged_source(unpack_paged_kv_cache(cache, "NHD"), table.kv_indptr, table.kv_indices,
                              table.kv_last_page_len)
     part_o = torch.full((8, num_splits, hkv * group, d), math.nan, dtype=dtype, device=device)
     part_lse = torch.full((8, num_splits, hkv * group), math.nan, device=device)
-    P._launch(q, qo_indptr, source, part_o, part_lse, causal=False, sm_scale=d ** -0.5, config=SMALL)
+    P.launch_prefill(q, qo_indptr, source, part_o, part_lse, causal=False, sm_scale=d ** -0.5, config=SMALL)
     assert not part_o.isnan().any() and not part_lse.isnan().any()
     o, s = part_o[:, 0].double(), part_lse[:, 0].double()
     for j in range(1, num_splits):
@@ -211,7 +215,7 @@ def test_paged_address_paths_agree(device, page_size, layout, causal):
     qo_indptr = indptr_from_lengths([3, 2], device=device)
     q = _randn((5, hkv * group, d), dtype, device, gen)
     args = (q, qo_indptr, cache, table.kv_indptr, table.kv_indices, table.kv_last_page_len)
-    source = P._paged_source(unpack_paged_kv_cache(cache, layout), *args[3:])
+    source = P.paged_source(unpack_paged_kv_cache(cache, layout), *args[3:])
     safe = policy.exact_address_path(source, SMALL)
     assert safe == policy.AddressPath(offsets_32=True, aligned_pages=16 % page_size == 0)
     ref = P.batch_prefill_paged_ref(*args, causal=causal, kv_layout=layout)
@@ -220,7 +224,7 @@ def test_paged_address_paths_agree(device, page_size, layout, causal):
         if address.aligned_pages and not safe.aligned_pages:
             continue
         out, lse = poisoned(q)
-        P._run(q, qo_indptr, source, out, lse, causal=causal, sm_scale=d ** -0.5, num_splits=2, config=SMALL,
+        P.run_prefill(q, qo_indptr, source, out, lse, causal=causal, sm_scale=d ** -0.5, num_splits=2, config=SMALL,
                address=address)
         check_state(out, lse, *ref, dtype)
         results.append((address, out, lse))
@@ -236,13 +240,13 @@ def test_ragged_address_paths_agree(device):
     q = _randn((5, 4, 64), torch.float16, device, gen)
     qo_indptr = indptr_from_lengths([3, 2], device=device)
     kv_indptr = indptr_from_lengths([37, 53], device=device)
-    source = P._ragged_source(q, k, v, kv_indptr)
+    source = P.ragged_source(q, k, v, kv_indptr)
     assert policy.exact_address_path(source, SMALL) == policy.AddressPath(offsets_32=True, aligned_pages=False)
     ref = P.batch_prefill_ragged_ref(q, qo_indptr, k, v, kv_indptr)
     outs = []
     for address in (policy.AddressPath(False, False), policy.AddressPath(True, False)):
         out, lse = poisoned(q)
-        P._run(q, qo_indptr, source, out, lse, causal=False, sm_scale=0.125, num_splits=2, config=SMALL,
+        P.run_prefill(q, qo_indptr, source, out, lse, causal=False, sm_scale=0.125, num_splits=2, config=SMALL,
                address=address)
         check_state(out, lse, *ref, torch.float16)
         outs.append((out, lse))
@@ -254,7 +258,7 @@ def _meta_paged_source(num_pages, page_size=16, hkv=8, d=128, layout="NHD"):
     inner = (page_size, hkv) if layout == "NHD" else (hkv, page_size)
     cache = torch.empty((num_pages, 2, *inner, d), dtype=torch.bfloat16, device="meta")
     idx = torch.empty(1, dtype=i32, device="meta")
-    return P._paged_source(unpack_paged_kv_cache(cache, layout), idx, idx, idx), cache
+    return P.paged_source(unpack_paged_kv_cache(cache, layout), idx, idx, idx), cache
 
 
 def test_exact_address_path_int32_bound():
@@ -276,8 +280,8 @@ def test_exact_address_path_int32_bound():
     for nnz_kv, expect in ((2**24, True), (2**24 + 1, False)):
         k = torch.empty((nnz_kv, 1, 128), dtype=torch.bfloat16, device="meta")
         v = torch.empty((1, 1, 128), dtype=torch.bfloat16, device="meta").expand(nnz_kv, 1, 128)  # stride 0
-        assert policy.exact_address_path(P._ragged_source(q, k, v, None), big).offsets_32 == expect
-        assert policy.exact_address_path(P._ragged_source(q, v, k, None), big).offsets_32 == expect  # V alone
+        assert policy.exact_address_path(P.ragged_source(q, k, v, None), big).offsets_32 == expect
+        assert policy.exact_address_path(P.ragged_source(q, v, k, None), big).offsets_32 == expect  # V alone
 
 
 def test_default_address_path_per_tile():
@@ -306,11 +310,11 @@ def test_forced_int32_past_2_31_is_refused():
     lse = torch.empty((4, 1, 32), dtype=torch.float32, device="meta")
     qo = torch.empty(2, dtype=i32, device="meta")
     with pytest.raises(ValueError, match="address"):
-        P._launch(q, qo, source, out, lse, causal=False, sm_scale=0.1, config=policy.TileConfig(128, 128, 8, 3),
+        P.launch_prefill(q, qo, source, out, lse, causal=False, sm_scale=0.1, config=policy.TileConfig(128, 128, 8, 3),
                   address=policy.AddressPath(offsets_32=True, aligned_pages=True))
     small_pages, _ = _meta_paged_source(8, page_size=5)
     with pytest.raises(ValueError, match="address"):
-        P._launch(q, qo, small_pages, out, lse, causal=False, sm_scale=0.1, config=SMALL,
+        P.launch_prefill(q, qo, small_pages, out, lse, causal=False, sm_scale=0.1, config=SMALL,
                   address=policy.AddressPath(offsets_32=False, aligned_pages=True))
 
 
@@ -331,10 +335,10 @@ def test_running_max_grows_every_tile(device):
     args = (q, qo_indptr, cache, table.kv_indptr, table.kv_indices, table.kv_last_page_len)
     ref = P.batch_prefill_paged_ref(*args)
     assert ref[1].max() > 15, "the test wants large logits"
-    source = P._paged_source(unpack_paged_kv_cache(cache, "NHD"), *args[3:])
+    source = P.paged_source(unpack_paged_kv_cache(cache, "NHD"), *args[3:])
     for splits in (1, 3):
         out, lse = poisoned(q)
-        P._run(q, qo_indptr, source, out, lse, causal=False, sm_scale=d ** -0.5, num_splits=splits, config=SMALL)
+        P.run_prefill(q, qo_indptr, source, out, lse, causal=False, sm_scale=d ** -0.5, num_splits=splits, config=SMALL)
         check_state(out, lse, *ref, dtype)
 
 
@@ -493,8 +497,8 @@ def test_shared_prefix_split(device):
     k = _randn((90, 2, 64), torch.float16, device, gen)
     v = _randn((90, 2, 64), torch.float16, device, gen)
     out, lse = poisoned(q)
-    source = P._ragged_source(q, k, v, None)
-    P._run(q, None, source, out, lse, causal=False, sm_scale=0.125, num_splits=3, config=SMALL)
+    source = P.ragged_source(q, k, v, None)
+    P.run_prefill(q, None, source, out, lse, causal=False, sm_scale=0.125, num_splits=3, config=SMALL)
     check_state(out, lse, *attention_state_ref(q, k, v), torch.float16)
 
 
@@ -643,7 +647,7 @@ def test_gpu_shared_prefix_realistic(length, n, high_pages):
     q, qo_indptr, cache, t = _prefix_case(length, n, high_pages=high_pages)
     if high_pages:
         assert t.kv_indices.min().item() * cache.stride(0) > 2**31
-    source = P._paged_source(unpack_paged_kv_cache(cache, "NHD"), t.kv_indptr, t.kv_indices, t.kv_last_page_len)
+    source = P.paged_source(unpack_paged_kv_cache(cache, "NHD"), t.kv_indptr, t.kv_indices, t.kv_last_page_len)
     config = policy.groups_tile_config(n, 1, 4, 128, torch.bfloat16)
     assert policy.exact_address_path(source, config).offsets_32 == (not high_pages), "int64 offsets past 2^31"
     out, lse = poisoned(q)
@@ -662,13 +666,13 @@ def test_gpu_address_paths_agree():
     and splits: int64 and int32 row offsets, with and without the hoisted page math, give
     bit-identical outputs, within tolerance of the float64 reference."""
     q, qo_indptr, cache, t = _prefix_case(8229, 128, seed=2)
-    source = P._paged_source(unpack_paged_kv_cache(cache, "NHD"), t.kv_indptr, t.kv_indices, t.kv_last_page_len)
+    source = P.paged_source(unpack_paged_kv_cache(cache, "NHD"), t.kv_indptr, t.kv_indices, t.kv_last_page_len)
     kv = unpack_paged_kv_cache(cache, "NHD")
     ref = attention_state_ref(q, *gather_paged_kv(kv, t.kv_indptr, t.kv_indices, t.kv_last_page_len, 0))
     first = None
     for address in ADDRESS_PATHS:
         out, lse = poisoned(q)
-        P._run(q, qo_indptr, source, out, lse, causal=False, sm_scale=128 ** -0.5, address=address)
+        P.run_prefill(q, qo_indptr, source, out, lse, causal=False, sm_scale=128 ** -0.5, address=address)
         check_state(out, lse, *ref, torch.bfloat16)
         if first is None:
             first = (out, lse)

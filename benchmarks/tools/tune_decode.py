@@ -31,8 +31,25 @@ import time
 
 import torch
 
-from benchmarks._common import L2_BYTES, environment, load_flashinfer, markdown_table, write_json
-from benchmarks.fixtures import DTYPE, HKV, HQ, PAGE, D, fi_wrapper, io_bytes, kv_bytes, new_pool, page_table
+from benchmarks._common import (
+    L2_BYTES,
+    environment,
+    load_flashinfer,
+    markdown_table,
+    write_json,
+)
+from benchmarks.fixtures import (
+    DTYPE,
+    HKV,
+    HQ,
+    PAGE,
+    D,
+    fi_wrapper,
+    io_bytes,
+    kv_bytes,
+    new_pool,
+    page_table,
+)
 from cascadeinfer.kernels import decode as decode_mod
 from cascadeinfer.kernels import policy
 from cascadeinfer.kernels.policy import DECODE_VARIANTS, DecodeConfig
@@ -137,7 +154,7 @@ def copy_bandwidth() -> float:
 
 def run_variant(q, pool, indptr, indices, last, out, lse, cfg: DecodeConfig | None, splits: int | None):
     """One call; ``cfg=None, splits=None``: the default plan of batch_decode_paged."""
-    return decode_mod._batch_decode_paged(
+    return decode_mod.decode_with_config(
         q, pool, indptr, indices, last, kv_layout="NHD", sm_scale=None, num_splits=splits, schedule="per_request",
         out=out, lse=lse, validate=False, config=cfg)
 
@@ -217,7 +234,7 @@ def time_shape(batch, ctx, splits_list, variants, copy_bw, fi, v0, deadline, row
             print(f"# flashinfer failed at {batch}x{ctx}: {type(exc).__name__}: {exc}", file=sys.stderr)
     if v0 is not None:  # the HEAD code (default config and split plan, stage 2 + copy)
         head_splits = v0.decode_num_splits(batch, HKV, dev)
-        add("HEAD", head_splits, graph_seconds([lambda i=i: v0._batch_decode_paged(
+        add("HEAD", head_splits, graph_seconds([lambda i=i: v0.decode_with_config(
             qs[i], pools[i], indptr, indices, last, kv_layout="NHD", sm_scale=None, num_splits=None, out=outs[i],
             lse=lses[i], validate=False, config=None) for i in range(n_rot)]))
         if ref is None:
@@ -234,7 +251,7 @@ def time_shape(batch, ctx, splits_list, variants, copy_bw, fi, v0, deadline, row
             return
         try:
             if cfg == "balanced":
-                calls = [lambda i=i: decode_mod._batch_decode_paged(
+                calls = [lambda i=i: decode_mod.decode_with_config(
                     qs[i], pools[i], indptr, indices, last, kv_layout="NHD", sm_scale=None, num_splits=None,
                     schedule="balanced", out=outs[i], lse=lses[i], validate=False, config=None)
                     for i in range(n_rot)]

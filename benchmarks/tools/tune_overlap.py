@@ -37,7 +37,7 @@ from benchmarks.fixtures import BAR_SHAPES, DTYPE, MIN_POOL_BYTES, PAGE, Shape, 
 from cascadeinfer.cascade.multi_level import MultiLevelCascadeAttention
 from cascadeinfer.kernels import policy
 from cascadeinfer.kernels import prefill as P
-from cascadeinfer.kernels.decode import _batch_decode_paged, batch_decode_paged
+from cascadeinfer.kernels.decode import batch_decode_paged, decode_with_config
 from cascadeinfer.kernels.merge import merge_state
 from cascadeinfer.kernels.merge_many import merge_states
 from cascadeinfer.kernels.policy import BALANCED_VARIANTS
@@ -62,14 +62,14 @@ def two_streams(wl: Workload, prefix_splits: int, parts: str = "both", *, prefix
     def call(i):
         q, pool = wl.qs[i], wl.pools[i]
         o_p, l_p, o_s, l_s, out, lse = bufs[i]
-        source = P._paged_source(unpack_paged_kv_cache(pool, "NHD"), kp[0], prefix_idx, kl[0])
+        source = P.paged_source(unpack_paged_kv_cache(pool, "NHD"), kp[0], prefix_idx, kl[0])
 
         def prefix():
-            P._run(q, qo[0], source, o_p, l_p, causal=False, sm_scale=wl.shape.head_dim ** -0.5,
+            P.run_prefill(q, qo[0], source, o_p, l_p, causal=False, sm_scale=wl.shape.head_dim ** -0.5,
                    num_splits=prefix_splits)
 
         def suffix():
-            _batch_decode_paged(q, pool, kp[1], suffix_idx, kl[1], kv_layout="NHD", sm_scale=None, num_splits=None,
+            decode_with_config(q, pool, kp[1], suffix_idx, kl[1], kv_layout="NHD", sm_scale=None, num_splits=None,
                                 schedule=schedule, out=o_s, lse=l_s, validate=False, config=config)
 
         def run():
@@ -108,12 +108,12 @@ def one_merge(wl: Workload, prefix_splits: int):
     def call(i):
         q, pool = wl.qs[i], wl.pools[i]
         part_o, part_lse, out, lse = bufs[i]
-        source = P._paged_source(unpack_paged_kv_cache(pool, "NHD"), kp[0], ki[0], kl[0])
+        source = P.paged_source(unpack_paged_kv_cache(pool, "NHD"), kp[0], ki[0], kl[0])
 
         def run():
             main = torch.cuda.current_stream()
             side.wait_stream(main)
-            P._launch(q, qo[0], source, part_o[:, :prefix_splits], part_lse[:, :prefix_splits], causal=False,
+            P.launch_prefill(q, qo[0], source, part_o[:, :prefix_splits], part_lse[:, :prefix_splits], causal=False,
                       sm_scale=s.head_dim ** -0.5, config=cfg)
             with torch.cuda.stream(side):
                 batch_decode_paged(q, pool, kp[1], ki[1], kl[1], out=part_o[:, prefix_splits],
@@ -131,7 +131,7 @@ def decode_on_few_sms(wl: Workload, programs: int, dcfg):
     bandwidth on the SMs a prefix grid would leave free."""
     _, kp, ki, kl = wl.tables()
     outs = [(torch.empty_like(q), torch.empty(q.shape[:2], device=q.device)) for q in wl.qs]
-    return [lambda i=i: _batch_decode_paged(
+    return [lambda i=i: decode_with_config(
         wl.qs[i], wl.pools[i], kp[1], ki[1], kl[1], kv_layout="NHD", sm_scale=None, num_splits=programs,
         schedule="balanced", out=outs[i][0], lse=outs[i][1], validate=False, config=dcfg) for i in range(wl.rot)]
 

@@ -37,9 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
-from cascadeinfer.kernels import policy
+from cascadeinfer.kernels import policy, prefill_kernel
 from cascadeinfer.kernels import prefill as P
-from cascadeinfer.kernels import prefill_kernel
 
 SHAPES = ((128, 8192), (256, 8192), (512, 8192), (128, 32768), (256, 32768), (512, 32768))
 QUICK_SHAPES = ((128, 8192), (512, 32768))
@@ -185,9 +184,12 @@ def runner(mod, var: Variant, q, qo, pool, indptr, indices, last, out, lse, spli
     from cascadeinfer.layouts.paged_cache import unpack_paged_kv_cache  # noqa: PLC0415
 
     cfg = var.cfg or mod.default_tile_config(D, q.dtype)
-    source = mod._paged_source(unpack_paged_kv_cache(pool, "NHD"), indptr, indices, last)
-    return lambda: mod._run(q, qo, source, out, lse, causal=False, sm_scale=D ** -0.5, num_splits=splits,
-                            config=cfg)
+    # An older prefill.py (the v0 copy) names these two privately.
+    paged_source = getattr(mod, "paged_source", None) or mod._paged_source
+    run_prefill = getattr(mod, "run_prefill", None) or mod._run
+    source = paged_source(unpack_paged_kv_cache(pool, "NHD"), indptr, indices, last)
+    return lambda: run_prefill(q, qo, source, out, lse, causal=False, sm_scale=D ** -0.5, num_splits=splits,
+                               config=cfg)
 
 
 def check_variants(mods, variants, dev, shapes=((77, 3001), (300, 20011))) -> None:
@@ -259,8 +261,8 @@ def time_all(mods, variants, shapes, mm_rate, fi, rep_ms) -> list[dict]:
         splits = splits_for(P, var, n, length, dev)
 
         def contig(i):
-            src = P._ragged_source(sh.qs[i], *kvs[i], None)
-            return lambda: P._run(sh.qs[i], None, src, sh.outs[i], sh.lses[i], causal=False,
+            src = P.ragged_source(sh.qs[i], *kvs[i], None)
+            return lambda: P.run_prefill(sh.qs[i], None, src, sh.outs[i], sh.lses[i], causal=False,
                                   sm_scale=128 ** -0.5, num_splits=splits, config=CONTIG_CFG)
 
         record(var.name, bench_rotating([contig(i) for i in range(sh.rot)], rep_ms=rep_ms), splits)
@@ -323,8 +325,8 @@ def time_general(mods, fi, mm_rate, rep_ms, dev, cases=GENERAL_CASES) -> list[di
 
         def forced(cfg):  # the new kernel with a forced tile config (default split count)
             def make(i):
-                src = P._paged_source(unpack_paged_kv_cache(pools[i], "NHD"), indptr, perm, last)
-                return lambda: P._run(qs[i], qo, src, outs[i], lses[i], causal=causal, sm_scale=d ** -0.5,
+                src = P.paged_source(unpack_paged_kv_cache(pools[i], "NHD"), indptr, perm, last)
+                return lambda: P.run_prefill(qs[i], qo, src, outs[i], lses[i], causal=causal, sm_scale=d ** -0.5,
                                       config=cfg)
             return make
 
@@ -415,7 +417,12 @@ def main() -> None:
         return
     if not torch.cuda.is_available():
         sys.exit("tune_prefix needs a CUDA device (or --sass)")
-    from benchmarks._common import environment, load_flashinfer, measure_matmul_rate, write_json  # noqa: PLC0415
+    from benchmarks._common import (  # noqa: PLC0415
+        environment,
+        load_flashinfer,
+        measure_matmul_rate,
+        write_json,
+    )
 
     env = environment()
     print(f"# {env}", flush=True)

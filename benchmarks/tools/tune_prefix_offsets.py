@@ -82,13 +82,13 @@ def new_prefix(n: int, length: int, device, seed: int, spare_pages: int = 7):
 
 
 def paged_runner(q, qo, pool, indptr, indices, last, out, lse, address):
-    source = P._paged_source(unpack_paged_kv_cache(pool, "NHD"), indptr, indices, last)
-    return lambda: P._run(q, qo, source, out, lse, causal=False, sm_scale=SM_SCALE, address=address)
+    source = P.paged_source(unpack_paged_kv_cache(pool, "NHD"), indptr, indices, last)
+    return lambda: P.run_prefill(q, qo, source, out, lse, causal=False, sm_scale=SM_SCALE, address=address)
 
 
 def contig_runner(q, k, v, out, lse, address):
-    source = P._ragged_source(q, k, v, None)
-    return lambda: P._run(q, None, source, out, lse, causal=False, sm_scale=SM_SCALE, address=address)
+    source = P.ragged_source(q, k, v, None)
+    return lambda: P.run_prefill(q, None, source, out, lse, causal=False, sm_scale=SM_SCALE, address=address)
 
 
 # --------------------------------------------------------------------------- correctness

@@ -303,7 +303,7 @@ def batch_decode_paged(
         (len(cache), out is None, lse is None, kv_layout, sm_scale, num_splits, schedule),
         lengthless=(len(cache) + 2,))
     if rec is None:
-        return _batch_decode_paged(
+        return decode_with_config(
             q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, kv_layout=kv_layout,
             sm_scale=sm_scale, num_splits=num_splits, schedule=schedule, out=out, lse=lse, validate=validate,
             config=None, key=key,
@@ -320,12 +320,15 @@ def batch_decode_paged(
 _LAUNCHES = LaunchCache()
 
 
-def _batch_decode_paged(
+def decode_with_config(
     q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, *, kv_layout, sm_scale,
     num_splits, schedule, out, lse, validate, config: DecodeConfig | None, key=None,
 ):
-    """:func:`batch_decode_paged` with every check, the stage-1 launch parameters given
-    (None: the default); with ``key``, its launches are recorded under that key."""
+    """:func:`batch_decode_paged` with every check and the launch parameters given:
+    ``num_splits`` and ``schedule`` as there, ``config`` the stage-1 tile config (None: the
+    default of :mod:`cascadeinfer.kernels.policy`), every argument required. Returns the
+    same ``(o, lse)`` (natural-log LSE). For tuning tools; with ``key``, its launches are
+    recorded under that key (the public launcher's cache)."""
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     check_last_dim_contiguous("q", q)
     kv = unpack_paged_kv_cache(paged_kv_cache, kv_layout)

@@ -45,7 +45,8 @@ from cascadeinfer._checks import (
     check_last_dim_contiguous,
     check_tensor,
 )
-from cascadeinfer._device import capturing, cuda_num_sms, next_power_of_2, use_triton
+from cascadeinfer._device import capturing, next_power_of_2, use_triton
+from cascadeinfer.kernels import policy
 from cascadeinfer.kernels.reference import (
     apply_rope_ref,
     rms_norm_ref,
@@ -335,18 +336,6 @@ def silu_and_mul(gate_up: torch.Tensor, *, out: torch.Tensor | None = None) -> t
     return out
 
 
-def _rope_splits(tokens: int, num_kv_heads: int, device: torch.device) -> int:
-    """Head shares per token: enough programs to give every multiprocessor a few (a
-    decode batch has few tokens), in powers of two up to one share per kv head."""
-    if device.type != "cuda":
-        return 1  # the interpreter pays per program
-    target = 4 * cuda_num_sms(device)
-    splits = 1
-    while splits * 2 <= num_kv_heads and tokens * splits < target:
-        splits *= 2
-    return splits
-
-
 def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, *,
                validate: bool = False) -> None:
     """Rotate ``q`` and ``k`` in place by their tokens' positions (HF's ``rotate_half``).
@@ -389,7 +378,7 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_si
         k.copy_(k_rot)
         return
     num_k_heads = k.shape[1]
-    splits = _rope_splits(tokens, max(1, num_k_heads), q.device)
+    splits = policy.rope_splits(tokens, max(1, num_k_heads), q.device)
     q_per, k_per = triton.cdiv(num_q_heads, splits), triton.cdiv(num_k_heads, splits)
     half = head_dim // 2
     _rope_kernel[(tokens, splits)](

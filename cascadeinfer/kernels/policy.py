@@ -497,3 +497,17 @@ def merge_unroll(states_per_row: int, few_programs: bool) -> int:
     row: more when the grid is too small to fill the GPU (each tile is one round trip to
     memory)."""
     return min(MERGE_MAX_UNROLL_FEW if few_programs else MERGE_MAX_UNROLL, next_power_of_2(max(1, states_per_row)))
+
+
+# ---------------------------------------------------------------------------------- rope
+
+
+def rope_splits(tokens: int, num_kv_heads: int, device: torch.device) -> int:
+    """Head shares per token of :func:`cascadeinfer.kernels.fused.apply_rope`: enough
+    programs to give every multiprocessor four (a decode batch has few tokens), in powers
+    of two up to one share per kv head."""
+    target = 4 * planning_sms(device)
+    splits = 1
+    while splits * 2 <= num_kv_heads and tokens * splits < target:
+        splits *= 2
+    return splits

@@ -15,6 +15,12 @@ checks arguments, picks tiles and KV splits from shapes (:mod:`cascadeinfer.kern
 launches, and merges the splits' states.
 
 LSE is natural log at every boundary; ``(0, -inf)`` is the state of a query that sees no key.
+
+Below the three entry points, without their checks, for tuning tools and benchmarks that
+force a tile config, split count or address path: :func:`run_prefill` (tiles and splits
+from shapes unless given, the launch, the merge of the splits), :func:`launch_prefill`
+(one launch into per-split destinations) and the KV sides they take
+(:class:`KVSource`, from :func:`paged_source` or :func:`ragged_source`).
 """
 
 from __future__ import annotations
@@ -69,7 +75,7 @@ MAX_HEAD_DIM = 256
 
 
 @dataclass(frozen=True, slots=True)
-class _KVSource:
+class KVSource:
     """The KV side as the kernel sees it: base tensors, (page, token, head) strides and,
     for a paged cache, the CSR page table (``None`` where the kernel reads none)."""
 
@@ -90,23 +96,25 @@ class _KVSource:
         return self.indices.shape[0] * self.page_size if self.paged else self.k.shape[0]
 
 
-def _paged_source(kv: PagedKV, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
-                  kv_last_page_len: torch.Tensor) -> _KVSource:
+def paged_source(kv: PagedKV, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                 kv_last_page_len: torch.Tensor) -> KVSource:
+    """A paged cache and its CSR page table (int32 ``[groups + 1]``, ``[pages]``,
+    ``[groups]``) as the kernel's KV side. Checks nothing: the launchers check first."""
     strides = (kv.stride_page, kv.stride_token, kv.stride_head)  # K and V views share strides
-    return _KVSource(kv.k, kv.v, True, kv.page_size, kv.num_kv_heads, strides, strides,
+    return KVSource(kv.k, kv.v, True, kv.page_size, kv.num_kv_heads, strides, strides,
                      kv_indptr, kv_indices, kv_last_page_len)
 
 
-def _grid_tiles(q: torch.Tensor, qo_indptr: torch.Tensor | None, kv: _KVSource, config: TileConfig) -> tuple[int, int]:
+def _grid_tiles(q: torch.Tensor, qo_indptr: torch.Tensor | None, kv: KVSource, config: TileConfig) -> tuple[int, int]:
     """``(num_groups, M tiles of the grid)``; ``qo_indptr is None`` is one group."""
     num_groups = 1 if qo_indptr is None else qo_indptr.shape[0] - 1
     return num_groups, num_m_tiles(q.shape[0], num_groups, q.shape[1] // kv.num_kv_heads, config.block_m)
 
 
-def _launch(
+def launch_prefill(
     q: torch.Tensor,
     qo_indptr: torch.Tensor | None,
-    kv: _KVSource,
+    kv: KVSource,
     o_dest: torch.Tensor,
     lse_dest: torch.Tensor,
     *,
@@ -131,7 +139,7 @@ def _launch(
     one_group = qo_indptr is None
     dummy = kv.k  # stands in for pointers the kernel does not read
     if kv.paged and kv.k_strides[:2] != kv.v_strides[:2]:
-        raise AssertionError("paged K and V views must share page and token strides")  # _paged_source's promise
+        raise AssertionError("paged K and V views must share page and token strides")  # paged_source's promise
     safe = exact_address_path(kv, config)
     if address is None:
         address = default_address_path(kv, config)
@@ -169,10 +177,10 @@ def _launch(
     )
 
 
-def _run(
+def run_prefill(
     q: torch.Tensor,
     qo_indptr: torch.Tensor | None,
-    kv: _KVSource,
+    kv: KVSource,
     out: torch.Tensor,
     lse: torch.Tensor,
     *,
@@ -191,14 +199,14 @@ def _run(
         num_splits = default_num_splits(_grid_tiles(q, qo_indptr, kv, config)[1], kv.num_kv_heads, kv.max_kv_len,
                                         q.device)
     if num_splits == 1:
-        _launch(q, qo_indptr, kv, out.unsqueeze(1), lse.unsqueeze(1), causal=causal, sm_scale=sm_scale,
+        launch_prefill(q, qo_indptr, kv, out.unsqueeze(1), lse.unsqueeze(1), causal=causal, sm_scale=sm_scale,
                 config=config, address=address)
         return out, lse
     # One partial state per split (o in q's dtype, as merge_states takes one dtype; LSE
     # float32). Every (row, split) is written, an empty split as the identity (0, -inf).
     part_o = scratch((nnz_qo, num_splits, num_qo_heads, head_dim), q.dtype, q.device)
     part_lse = scratch((nnz_qo, num_splits, num_qo_heads), torch.float32, q.device)
-    _launch(q, qo_indptr, kv, part_o, part_lse, causal=causal, sm_scale=sm_scale, config=config, address=address)
+    launch_prefill(q, qo_indptr, kv, part_o, part_lse, causal=causal, sm_scale=sm_scale, config=config, address=address)
     merge_states(part_o, part_lse, out=out, out_lse=lse)
     return out, lse
 
@@ -350,10 +358,10 @@ def batch_prefill_paged(
             causal=causal, kv_layout=kv_layout, sm_scale=scale,
         )
         return _store(out, lse, o64, lse64)
-    source = _paged_source(kv, kv_indptr, kv_indices, kv_last_page_len)
+    source = paged_source(kv, kv_indptr, kv_indices, kv_last_page_len)
     roots = (q, qo_indptr, *cache_tensors(paged_kv_cache), kv_indptr, kv_indices, kv_last_page_len, out, lse)
     with recorded(_PAGED, key, roots):
-        _run(q, qo_indptr, source, out, lse, causal=causal, sm_scale=scale, num_splits=num_splits)
+        run_prefill(q, qo_indptr, source, out, lse, causal=causal, sm_scale=scale, num_splits=num_splits)
     return out, lse
 
 
@@ -368,13 +376,15 @@ def _check_paged_contents(q, qo_indptr, kv: PagedKV, kv_indptr, kv_indices, kv_l
 _PAGED, _RAGGED, _SHARED = LaunchCache(), LaunchCache(), LaunchCache()
 
 
-def _ragged_source(q: torch.Tensor, k: object, v: object, kv_indptr: torch.Tensor | None) -> _KVSource:
+def ragged_source(q: torch.Tensor, k: object, v: object, kv_indptr: torch.Tensor | None) -> KVSource:
+    """Contiguous ragged ``k``, ``v`` ``[nnz_kv, Hkv, D]`` (checked against ``q``) and their
+    int32 ``kv_indptr`` ``[groups + 1]`` (None: one group of all keys) as the KV side."""
     check_tensor("k", k, ndim=3, dtypes=FLOAT_DTYPES, device=q.device)
     check_tensor("v", v, ndim=3, dtypes=(k.dtype,), device=q.device, shape=tuple(k.shape))
     check_last_dim_contiguous("k", k)
     check_last_dim_contiguous("v", v)
     _check_kv_matches_q(q, "k", k.dtype, k.shape[1], k.shape[2])
-    return _KVSource(k, v, False, 1, k.shape[1], (0, k.stride(0), k.stride(1)), (0, v.stride(0), v.stride(1)),
+    return KVSource(k, v, False, 1, k.shape[1], (0, k.stride(0), k.stride(1)), (0, v.stride(0), v.stride(1)),
                      kv_indptr)
 
 
@@ -411,7 +421,7 @@ def batch_prefill_ragged(
     if rec is None:
         _check_q(q)
         _check_flag("causal", causal)
-        source = _ragged_source(q, k, v, kv_indptr)
+        source = ragged_source(q, k, v, kv_indptr)
         _check_qo_indptr(qo_indptr, q.device)
         check_int32_vector("kv_indptr", kv_indptr, q.device, length=qo_indptr.shape[0])
         scale = default_sm_scale(q.shape[2], sm_scale)
@@ -429,7 +439,7 @@ def batch_prefill_ragged(
         o64, lse64 = batch_prefill_ragged_ref(q, qo_indptr, k, v, kv_indptr, causal=causal, sm_scale=scale)
         return _store(out, lse, o64, lse64)
     with recorded(_RAGGED, key, roots):
-        _run(q, qo_indptr, source, out, lse, causal=causal, sm_scale=scale)
+        run_prefill(q, qo_indptr, source, out, lse, causal=causal, sm_scale=scale)
     return out, lse
 
 
@@ -461,12 +471,12 @@ def shared_prefix_attention(
         rec.replay((q, k, v, out, lse))
         return out, lse
     _check_q(q)
-    source = _ragged_source(q, k, v, None)
+    source = ragged_source(q, k, v, None)
     scale = default_sm_scale(q.shape[2], sm_scale)
     out, lse = _outputs(q, out, lse)
     if not use_triton(q.device):
         o64, lse64 = attention_state_ref(q, k, v, sm_scale=scale)
         return _store(out, lse, o64, lse64)
     with recorded(_SHARED, key, (q, k, v, out, lse)):
-        _run(q, None, source, out, lse, causal=False, sm_scale=scale)
+        run_prefill(q, None, source, out, lse, causal=False, sm_scale=scale)
     return out, lse
