@@ -17,12 +17,7 @@ from cascadeinfer.kernels import (
     pick_decode_schedule,
     shared_prefix_attention,
 )
-from cascadeinfer.layouts import (
-    PagedKVPool,
-    PageTable,
-    get_batch_indices_positions,
-    get_seq_lens,
-)
+from cascadeinfer.layouts import PagedKVPool, PageTable, get_batch_indices_positions, get_seq_lens
 
 __version__ = "0.1.0"
 

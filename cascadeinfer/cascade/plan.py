@@ -18,13 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cascadeinfer.cascade.cost import (
-    DeviceModel,
-    LevelShape,
-    predict_seconds,
-    prefix_sm_fraction,
-    side_stream_runs,
-)
+from cascadeinfer.cascade.cost import DeviceModel, LevelShape, predict_seconds, prefix_sm_fraction, side_stream_runs
 from cascadeinfer.layouts.indptr import check_monotone
 from cascadeinfer.layouts.page_table import PageTable, check_page_table_values
 

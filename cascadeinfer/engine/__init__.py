@@ -6,12 +6,8 @@ by cascade attention.
     outputs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
 """
 
-from cascadeinfer.engine.beam import (
-           BeamSearchOutput,
-           BeamSearchParams,
-           BeamSearchSequence,
-)
 from cascadeinfer.engine.config import EngineConfig
+from cascadeinfer.engine.beam import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from cascadeinfer.engine.llm import LLM, CompletionOutput, RequestOutput
 from cascadeinfer.engine.model_loader import ModelConfig, ModelLoadError
 from cascadeinfer.engine.sampling import SamplingParams

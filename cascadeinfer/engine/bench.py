@@ -72,12 +72,7 @@ from datetime import date
 import torch
 
 from cascadeinfer.engine.beam import BeamSearchParams
-from cascadeinfer.engine.model_loader import (
-    PRESETS,
-    ModelConfig,
-    ModelLoadError,
-    parse_dtype,
-)
+from cascadeinfer.engine.model_loader import PRESETS, ModelConfig, ModelLoadError, parse_dtype
 from cascadeinfer.engine.sampling import SamplingParams
 
 QUICK = dict(requests=64, prefix=1024, suffix=64, new_tokens=64)

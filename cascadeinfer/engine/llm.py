@@ -11,20 +11,14 @@ from __future__ import annotations
 import os
 import time
 import weakref
-from collections.abc import Iterator
-from collections.abc import Sequence as Seq
+from collections.abc import Iterator, Sequence as Seq
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from cascadeinfer.engine.beam import (
-    BeamSearchOutput,
-    BeamSearchParams,
-    BeamSearchSequence,
-    BeamState,
-)
+from cascadeinfer.engine.beam import BeamSearchOutput, BeamSearchParams, BeamSearchSequence, BeamState
 from cascadeinfer.engine.chat import ChatTemplate, load_chat_template
 from cascadeinfer.engine.config import EngineConfig
 from cascadeinfer.engine.llama import LlamaForCausalLM, TensorParallel

@@ -20,10 +20,7 @@ def register(replace: str | None = None) -> None:
     """Register the backend with vLLM as ``CASCADEINFER`` and, with ``replace`` (the name
     of one of vLLM's backends, e.g. ``"CPU_ATTN"``; default: ``CASCADEINFER_VLLM_REPLACE``),
     in that backend's place too."""
-    from vllm.v1.attention.backends.registry import (  # noqa: PLC0415
-        AttentionBackendEnum,
-        register_backend,
-    )
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend  # noqa: PLC0415
 
     if "CASCADEINFER" in AttentionBackendEnum.__members__:  # registered before: vLLM calls this in every process
         register_backend(AttentionBackendEnum["CASCADEINFER"], BACKEND_PATH)
