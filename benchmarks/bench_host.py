@@ -8,8 +8,10 @@ Run from the repository root on a GPU machine:
 **Host cost** is the CPU time to enqueue one call: every call is timed on its own with
 ``time.perf_counter_ns`` while the GPU is kept busy (a ``torch.cuda._sleep`` enqueued
 before each batch of calls, long enough that no launch waits on the device), median over
-``--calls`` calls (1000 by default), after a warm-up that compiles and records. It is
-measured in ``torch.inference_mode()`` and outside it. Rows (bf16, Hq 32, Hkv 8, D 128,
+``--calls`` calls (1000 by default), after a warm-up that compiles and records. Each row
+is timed in ``--rounds`` rounds (3) that each time every row once; the table gives the
+median of the rounds' medians, the JSON every round. It is measured in
+``torch.inference_mode()`` and outside it. Rows (bf16, Hq 32, Hkv 8, D 128,
 page 16, two levels: one prefix group + each request's suffix):
 
 * ours ``MultiLevelCascadeAttention.run``: the cascade (forced), the flat decode (forced),
@@ -108,8 +110,10 @@ def _three_levels(wl: Workload) -> MultiLevelCascadeAttention:
     return attn
 
 
-def host_rows(shape: Shape, fi, calls: int, device: torch.device) -> list[dict]:
-    """Every host-cost row of one shape, in and out of inference mode."""
+def host_rows(shape: Shape, fi, calls: int, device: torch.device, rounds: int = 3) -> list[dict]:
+    """Every host-cost row of one shape, in and out of inference mode: the median of
+    ``rounds`` medians, each round timing every row once (so that a few seconds of a
+    slower host weigh on one round of every row, not on all of one row)."""
     wl = Workload(shape, device, seed=7, min_pool_bytes=MIN_POOL_BYTES, max_rot=1)
     s = wl.shape
     q, pool = wl.qs[0], wl.pools[0]
@@ -154,12 +158,18 @@ def host_rows(shape: Shape, fi, calls: int, device: torch.device) -> list[dict]:
         w.plan(wl.flat_indptr, wl.flat_indices, wl.flat_last, s.hq, s.hkv, s.head_dim, PAGE,
                q_data_type=DTYPE, kv_data_type=DTYPE)
         calls_by_name["FlashInfer decode run (tensor cores)"] = lambda: w.run(q, pool, out=out)
+    samples: dict[tuple[str, str], list[float]] = {}
+    for _ in range(rounds):
+        for name, fn in calls_by_name.items():
+            for mode in ("inference", "grad"):
+                with torch.inference_mode() if mode == "inference" else contextlib.nullcontext():
+                    samples.setdefault((name, mode), []).append(host_us(fn, calls, device))
     rows = []
-    for name, fn in calls_by_name.items():
+    for name in calls_by_name:
         row = dict(call=name, batch=s.batch, prefix=s.prefix, suffix=s.suffix)
         for mode in ("inference", "grad"):
-            with torch.inference_mode() if mode == "inference" else contextlib.nullcontext():
-                row[f"{mode}_us"] = host_us(fn, calls, device)
+            row[f"{mode}_us"] = statistics.median(samples[name, mode])
+            row[f"{mode}_rounds_us"] = [round(x, 2) for x in samples[name, mode]]
         rows.append(row)
     return rows
 
@@ -219,6 +229,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=1000, help="timed calls per host-cost row")
     ap.add_argument("--rep-ms", type=int, default=200, help="do_bench repetition time")
     ap.add_argument("--json", metavar="PATH", help="write every row and the environment here")
+    ap.add_argument("--rounds", type=int, default=3, help="host-cost rounds (each row's median of their medians)")
     ap.add_argument("--no-wall", action="store_true", help="host cost only")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -229,10 +240,10 @@ def main() -> None:
     print(f"# {env}", flush=True)
     host = []
     for shape in HOST_SHAPES:
-        host += host_rows(Shape(*shape), fi, args.calls, device)
+        host += host_rows(Shape(*shape), fi, args.calls, device, args.rounds)
         print(f"# host cost rows done for {shape}", flush=True)
     host.append(plan_row(fi, args.calls, device))
-    print("\n## Host cost per call (µs of CPU, median)\n")
+    print(f"\n## Host cost per call (µs of CPU, median of {args.rounds} rounds' medians)\n")
     print(markdown_table(host, ["call", "batch", "prefix", "suffix", "inference_us", "grad_us"]))
     wall = []
     if not args.no_wall:

@@ -69,6 +69,58 @@ def test_decode_replays_with_new_tensors(device, monkeypatch, num_splits):
     assert_state(o, lse, *decode_reference(q2, cache2, indptr, indices2, last))
 
 
+def _split_call(op, device, seed):
+    """A decode or a prefill call with three KV splits, its roots and its float64 answer."""
+    indptr, indices, last = T([0, 3, 6, 8], device), T([0, 1, 2, 3, 4, 5, 6, 7], device), T([1, 4, 2], device)
+    q, cache = decode_case(device, seed)
+    out, lse = torch.full_like(q, float("nan")), torch.full(q.shape[:2], float("nan"), device=device)
+    if op == "decode":
+        def call():
+            return ci.batch_decode_paged(q, cache, indptr, indices, last, num_splits=3, out=out, lse=lse,
+                                         validate=False)
+        return call, (q, cache, out, lse), decode_reference(q, cache, indptr, indices, last)
+    qo = T([0, 1, 2, 3], device)  # one query per group: the decode's rows, through the prefill kernel
+
+    def call():
+        return ci.batch_prefill_paged(q, qo, cache, indptr, indices, last, num_splits=3, out=out, lse=lse,
+                                      validate=False)
+    return call, (q, cache, out, lse), decode_reference(q, cache, indptr, indices, last)
+
+
+@pytest.mark.parametrize("op", ["decode", "prefill"])
+def test_split_kv_is_one_launch_that_leaves_its_counters_zero(device, op):
+    """With KV splits the last split of each row merges them in the same kernel: the
+    call is one launch, and its arrival counters are zero again when it ends, so the
+    next launch on them (a replay, here on the counters the recording keeps) needs no
+    memset."""
+    call, roots, ref = _split_call(op, device, 0)
+    with launch_mod.recording(roots, keep_scratch=True) as rec:
+        o, lse = call()
+    assert len(rec.launches) == 1 and len(rec._counters) == 1
+    assert rec._counters[0].numel() and not rec._counters[0].any()
+    assert_state(o, lse, *ref)
+    for seed in (1, 2):
+        _, new_roots, new_ref = _split_call(op, device, seed)
+        rec.replay(new_roots)
+        assert not rec._counters[0].any()
+        assert_state(new_roots[2], new_roots[3], *new_ref)
+
+
+@pytest.mark.parametrize("op", ["decode", "prefill"])
+def test_splits_too_many_bytes_for_one_program_go_to_a_merge_kernel(device, monkeypatch, op):
+    """Past the policy's bytes per program, the splits' states are merged by
+    merge_states' kernel after the attention kernel: two launches, the same answer."""
+    from cascadeinfer.kernels import policy
+
+    monkeypatch.setattr(policy, "merge_in_kernel", lambda *args: False)
+    monkeypatch.setattr(prefill_mod, "merge_in_kernel", lambda *args: False)
+    call, roots, ref = _split_call(op, device, 0)
+    with launch_mod.recording(roots, keep_scratch=True) as rec:
+        o, lse = call()
+    assert len(rec.launches) == 2 and not rec._counters
+    assert_state(o, lse, *ref)
+
+
 def test_decode_replay_validates_contents(device):
     indptr, indices, last = T([0, 3, 6, 8], device), T([0, 1, 2, 3, 4, 5, 6, 7], device), T([1, 4, 2], device)
     q, cache = decode_case(device, 0)
@@ -335,7 +387,7 @@ def test_direct_launch_packs_parameters_as_the_driver_reads_them():
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_direct_launch_matches_tritons_launcher(monkeypatch, num_splits):
     """A replay through the direct launcher computes what Triton's launcher computes,
-    bit for bit, for a decode with and without its split merge (two kernels)."""
+    bit for bit, for a decode with and without KV splits (their merge in the kernel)."""
     device = torch.device("cuda")
     decode_mod._LAUNCHES.clear()
     indptr, indices, last = T([0, 3, 6, 8], device), T([0, 1, 2, 3, 4, 5, 6, 7], device), T([1, 4, 2], device)
@@ -354,7 +406,7 @@ def test_direct_launch_matches_tritons_launcher(monkeypatch, num_splits):
 
 @pytest.mark.gpu
 def test_kept_scratch_serves_one_stream_and_never_a_capture():
-    """A decode with KV splits (partial states in scratch, then their merge) replayed on
+    """A decode with KV splits (partial states in scratch, merged by the last split) replayed on
     the stream that keeps its scratch block, on a second stream (its own block), and
     captured in a CUDA graph (the graph's own block) while eager replays run between the
     graph's replays: every answer is its own inputs' answer."""
@@ -371,6 +423,7 @@ def test_kept_scratch_serves_one_stream_and_never_a_capture():
     o, lse, (q, cache) = call(1)  # replays, keeps a block for this stream
     rec = next(iter(decode_mod._LAUNCHES._items.values()))
     assert rec.scratch_bytes and rec._kept_scratch is not None
+    assert rec.counter_bytes and len(rec.launches) == 1  # the splits merge in the kernel
     assert_state(o, lse, *decode_reference(q, cache, indptr, indices, last), tol=2e-2)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -387,3 +440,37 @@ def test_kept_scratch_serves_one_stream_and_never_a_capture():
         o4, lse4, (q4, cache4) = call(seed)  # eager, on the kept block, right after the graph
         assert_state(o4, lse4, *decode_reference(q4, cache4, indptr, indices, last), tol=2e-2)
         assert_state(o3, lse3, *decode_reference(q3, cache3, indptr, indices, last), tol=2e-2)
+    torch.cuda.synchronize()
+    # Each stream's counter block (the graph's is its own) is zero between kernels.
+    blocks = list(launch_mod._STREAM_COUNTERS.values())
+    assert len(blocks) >= 2 and not any(b.any() for b in blocks)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["decode", "prefill"])
+def test_split_merge_holds_under_a_full_grid(op):
+    """Thousands of programs, many rows finishing at once on every SM: each row's last
+    split must see every other split's state. Twenty replays with new queries, each
+    against the unsplit kernel's answer (same math, no merge), and the counters zero."""
+    device = torch.device("cuda")
+    g = torch.Generator(device=device).manual_seed(0)
+    batch, hkv, group, d, page, pages = 48, 8, 4, 128, 16, 40
+    cache = torch.randn(batch * pages, 2, page, hkv, d, generator=g, device=device).to(torch.bfloat16)
+    indptr = torch.arange(0, batch * pages + 1, pages, dtype=torch.int32, device=device)
+    indices = torch.randperm(batch * pages, generator=g, device=device).to(torch.int32)
+    last = torch.randint(1, page + 1, (batch,), generator=g, device=device, dtype=torch.int32)
+    qo = torch.arange(batch + 1, dtype=torch.int32, device=device)
+
+    def run(q, splits):
+        if op == "decode":
+            return ci.batch_decode_paged(q, cache, indptr, indices, last, num_splits=splits, validate=False)
+        return ci.batch_prefill_paged(q, qo, cache, indptr, indices, last, num_splits=splits, validate=False)
+
+    for _ in range(20):
+        q = torch.randn(batch, hkv * group, d, generator=g, device=device).to(torch.bfloat16)
+        o, lse = run(q, 16)
+        o_ref, lse_ref = run(q, 1)
+        torch.testing.assert_close(o.float(), o_ref.float(), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(lse, lse_ref, atol=1e-4, rtol=1e-4)
+    torch.cuda.synchronize()
+    assert not any(b.any() for b in launch_mod._STREAM_COUNTERS.values())

@@ -8,8 +8,9 @@ whole call: CPU time to enqueue, median over ``--calls`` calls with the GPU kept
 inference mode and outside it. Parts: the signature lookup (torch's tensor guards and the
 alignment pass), reading the roots' addresses, the current stream, the output
 allocations (``torch.empty`` with keywords, ``empty_like`` of q, ``empty_like`` of a
-stride-0 template), the scratch block's raw allocation, the replay alone, and the whole
-call with its outputs given and left to the launcher.
+stride-0 template and of the dense memoryless template replays use), the scratch block's
+raw allocation, the stream's counter block lookup, the replay alone, and the whole call
+with its outputs given and left to the launcher.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ import json
 import torch
 
 from benchmarks._common import environment, gpu_start, markdown_table
-from benchmarks.fixtures import MIN_POOL_BYTES, Shape, Workload
 from benchmarks.bench_host import HOST_SHAPES, host_us
+from benchmarks.fixtures import MIN_POOL_BYTES, Shape, Workload
 from cascadeinfer import batch_decode_paged
 from cascadeinfer.kernels import decode as decode_mod
 from cascadeinfer.kernels import launch as launch_mod
@@ -43,6 +44,8 @@ def parts(shape: Shape, calls: int, device: torch.device) -> list[dict]:
     roots = (*tensors, out, lse)
     idx = device.index
     template_o, template_lse = launch_mod._template(out), launch_mod._template(lse)
+    expanded_o = torch.empty(1, dtype=out.dtype, device=device).expand(out.shape)
+    expanded_lse = torch.empty(1, dtype=lse.dtype, device=device).expand(lse.shape)
     scratch = max(rec.scratch_bytes, 256)
     fns = {
         "find (guards + alignment)": lambda: decode_mod._LAUNCHES.find(tensors, options, lengthless=(3,)),
@@ -54,9 +57,14 @@ def parts(shape: Shape, calls: int, device: torch.device) -> list[dict]:
         "o by empty_like(q), lse by torch.empty": lambda: (
             torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)),
-        "o, lse by empty_like(template)": lambda: (torch.empty_like(template_o), torch.empty_like(template_lse)),
+        "o, lse by empty_like(stride-0 template)": lambda: (
+            torch.empty_like(expanded_o), torch.empty_like(expanded_lse)),
+        "o, lse by empty_like(dense template) (what replays do)": lambda: (
+            torch.empty_like(template_o), torch.empty_like(template_lse)),
         "scratch raw alloc + free": lambda: launch_mod._raw_free(
             launch_mod._raw_alloc(scratch, torch._C._cuda_getCurrentRawStream(idx))),
+        "stream's counter block (lookup by stream)": lambda: launch_mod._stream_counters(
+            device, idx, *(torch._C._cuda_getCurrentRawStream(idx),) * 2, max(rec.counter_bytes, 4)).data_ptr(),
         "replay alone": lambda: rec.replay(roots),
         "call, outputs given": lambda: batch_decode_paged(*args, out=out, lse=lse, validate=False),
         "call, outputs allocated": lambda: batch_decode_paged(*args, validate=False),
@@ -64,7 +72,7 @@ def parts(shape: Shape, calls: int, device: torch.device) -> list[dict]:
     rows = []
     for name, fn in fns.items():
         row = dict(part=name, batch=shape.batch, prefix=shape.prefix, suffix=shape.suffix,
-                   kernels=len(rec.launches), scratch_bytes=rec.scratch_bytes)
+                   kernels=len(rec.launches), scratch_bytes=rec.scratch_bytes, counter_bytes=rec.counter_bytes)
         for mode in ("inference", "grad"):
             with torch.inference_mode() if mode == "inference" else contextlib.nullcontext():
                 row[f"{mode}_us"] = round(host_us(fn, calls, device), 2)
@@ -83,7 +91,7 @@ def main() -> None:
     for shape in HOST_SHAPES:
         rows += parts(Shape(*shape), args.calls, device)
     print(markdown_table(rows, ["part", "batch", "prefix", "suffix", "kernels", "scratch_bytes",
-                                "inference_us", "grad_us"]))
+                                "counter_bytes", "inference_us", "grad_us"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(env=env, rows=rows), f, indent=1)

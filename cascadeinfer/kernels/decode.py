@@ -23,9 +23,12 @@ launch never reads the page table on the host and can be captured in a CUDA grap
 
 With one split the kernel writes the output and the natural-log LSE directly. With more,
 each split writes its attention state (normalised fp32 output, natural-log LSE; an empty
-range gives ``(0, -inf)``) and stage 2, the kernel of
-:func:`cascadeinfer.kernels.merge_many.merge_states`, merges them straight into the output in
-q's dtype. The default plan (:func:`pick_decode_config`, :func:`decode_num_splits`) picks
+range gives ``(0, -inf)``) to scratch, and the last split of each (request, kv head) to
+finish merges them straight into the output in q's dtype
+(:mod:`cascadeinfer.kernels.split_merge`): one launch either way. Only where the states
+are too many bytes for one program to merge fast (:func:`policy.merge_in_kernel`; 16
+query heads per kv head and many splits) does the kernel of
+:func:`cascadeinfer.kernels.merge_many.merge_states` merge them after. The default plan (:func:`pick_decode_config`, :func:`decode_num_splits`) picks
 the launch config and the split count from ``batch * num_kv_heads`` and the SM count
 alone: one wave of programs with enough K/V loads in flight, and no split at all once
 there are 1.5x more (request, kv head) pairs than SMs.
@@ -58,7 +61,14 @@ from cascadeinfer.kernels import decode_balanced as balanced
 from cascadeinfer.kernels import merge_many, policy
 from cascadeinfer.kernels.constants import LOG2E
 from cascadeinfer.kernels.decode_balanced import attend_tile
-from cascadeinfer.kernels.launch import LaunchCache, given, launch, recorded, scratch
+from cascadeinfer.kernels.launch import (
+    LaunchCache,
+    counters,
+    given,
+    launch,
+    recorded,
+    scratch,
+)
 from cascadeinfer.kernels.policy import (
     MAX_SPLITS,
     SCHEDULES,
@@ -71,6 +81,7 @@ from cascadeinfer.kernels.policy import (
 )
 from cascadeinfer.kernels.reference import batch_decode_paged_ref
 from cascadeinfer.kernels.softmax import finish_state
+from cascadeinfer.kernels.split_merge import arrive, merge_splits
 from cascadeinfer.layouts.page_table import check_pages_in_pool, validate_page_table
 from cascadeinfer.layouts.paged_cache import (
     PagedKV,
@@ -147,6 +158,7 @@ def _decode_kernel(
     lse_ptr,  # [batch, num_qo_heads] float32 natural log, strides (stride_lb, stride_lh)
     part_o_ptr,  # [batch, num_splits, num_qo_heads, head_dim] float32 partial outputs (SPLIT)
     part_lse_ptr,  # [batch, num_splits, num_qo_heads] float32 natural-log partial LSEs (SPLIT)
+    count_ptr,  # [batch * num_kv_heads] int32 arrival counters, zero (MERGE; left zero)
     qk_scale,  # sm_scale * log2(e)
     num_kv_heads,
     num_splits,
@@ -165,6 +177,9 @@ def _decode_kernel(
     NUM_STAGES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SPLIT: tl.constexpr,  # False: one split, write out and lse; True: write this split's partial state
+    MERGE: tl.constexpr,  # SPLIT: the last split merges the partial states into out and lse
+    BLOCK_G: tl.constexpr,  # MERGE: GROUP padded to a power of two
+    SPLIT_BLOCK: tl.constexpr,  # MERGE: splits per tile of the merge
 ):
     pid = tl.program_id(0)
     kv_head = pid % num_kv_heads
@@ -215,16 +230,31 @@ def _decode_kernel(
     o, lse = finish_state(acc, l_i, m_i, t_end > t_begin)
 
     heads64 = heads.to(tl.int64)
+    req64 = req.to(tl.int64)
     if SPLIT:
-        p_offs = (req.to(tl.int64) * stride_pb + split.to(tl.int64) * stride_ps + heads64[:, None] * stride_ph
-                  + offs_d[None, :])
+        p_offs = req64 * stride_pb + split.to(tl.int64) * stride_ps + heads64[:, None] * stride_ph + offs_d[None, :]
         tl.store(part_o_ptr + p_offs, o, mask=mask_q)
-        p_lse_offs = req.to(tl.int64) * stride_plb + split.to(tl.int64) * stride_pls + heads64 * stride_plh
+        p_lse_offs = req64 * stride_plb + split.to(tl.int64) * stride_pls + heads64 * stride_plh
         tl.store(part_lse_ptr + p_lse_offs, lse, mask=mask_h)
+        if MERGE:
+            # The last split of (request, kv head) to finish merges all of them into out
+            # and lse (cascadeinfer.kernels.split_merge), over the GROUP real heads only.
+            if arrive(count_ptr + req * num_kv_heads + kv_head, num_splits):
+                offs_g = tl.arange(0, BLOCK_G)
+                g_ok = offs_g < GROUP
+                g_mask = g_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+                g_heads = (kv_head * GROUP + offs_g).to(tl.int64)
+                o_all, lse_all = merge_splits(  # [BLOCK_G, BLOCK_D], [BLOCK_G]: new names, new shapes
+                    part_o_ptr + req64 * stride_pb + g_heads[:, None] * stride_ph + offs_d[None, :],
+                    part_lse_ptr + req64 * stride_plb + g_heads * stride_plh,
+                    g_mask, g_ok, stride_ps, stride_pls, num_splits, SPLIT_BLOCK)
+                o_offs = req64 * stride_ob + g_heads[:, None] * stride_oh + offs_d[None, :]
+                tl.store(o_ptr + o_offs, o_all.to(o_ptr.dtype.element_ty), mask=g_mask)
+                tl.store(lse_ptr + req64 * stride_lb + g_heads * stride_lh, lse_all, mask=g_ok)
     else:
-        o_offs = req.to(tl.int64) * stride_ob + heads64[:, None] * stride_oh + offs_d[None, :]
+        o_offs = req64 * stride_ob + heads64[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptr + o_offs, o.to(o_ptr.dtype.element_ty), mask=mask_q)
-        tl.store(lse_ptr + req.to(tl.int64) * stride_lb + heads64 * stride_lh, lse, mask=mask_h)
+        tl.store(lse_ptr + req64 * stride_lb + heads64 * stride_lh, lse, mask=mask_h)
 
 
 # --------------------------------------------------------------------------- launcher
@@ -267,7 +297,8 @@ def batch_decode_paged(
         sm_scale: softmax scale, default ``head_dim ** -0.5``.
         num_splits: with ``schedule="per_request"``, KV splits per (request, kv head),
             1..256: each reads ``cdiv(num_pages, num_splits)`` consecutive pages of its
-            request and ``merge_states``' kernel merges them. With ``"balanced"``,
+            request and the last split to finish merges them (a merge kernel, past a
+            few bytes of states per program). With ``"balanced"``,
             programs per kv head ``P``, 1..4096: the batch's pages laid end to end are
             cut into ``P`` pieces of ``cdiv(kv_indptr[batch] - kv_indptr[0], P)`` pages
             (found on the device) and a second kernel merges the requests a cut runs
@@ -406,7 +437,8 @@ def _launch_balanced(q, kv: PagedKV, kv_indptr, kv_indices, kv_last_page_len, ou
 
 def _launch_per_request(q, kv: PagedKV, kv_indptr, kv_indices, kv_last_page_len, out, lse, scale: float,
                         num_splits: int | None, config: DecodeConfig | None) -> None:
-    """The per-request schedule (this module's kernel, then merge_states' for splits > 1)."""
+    """The per-request schedule (this module's kernel; with splits, its last split per
+    (request, kv head) merges them, or merge_states' kernel after it)."""
     device = q.device
     batch, num_qo_heads, head_dim = q.shape
     cfg = config if config is not None else pick_decode_config(
@@ -416,31 +448,39 @@ def _launch_per_request(q, kv: PagedKV, kv_indptr, kv_indices, kv_last_page_len,
         num_splits = decode_num_splits(batch, kv.num_kv_heads, device, programs_per_sm=cfg.programs_per_sm)
     group = num_qo_heads // kv.num_kv_heads
     split = num_splits > 1
+    merge = split and policy.merge_in_kernel(num_splits, group, head_dim)
+    block_d = max(16, next_power_of_2(head_dim))
     meta = dict(
         GROUP=group,
         BLOCK_H=max(16, next_power_of_2(group)),
         HEAD_DIM=head_dim,
-        BLOCK_D=max(16, next_power_of_2(head_dim)),
+        BLOCK_D=block_d,
         PAGE_SIZE=kv.page_size,
         BLOCK_N=cfg.block_n,
         NUM_STAGES=cfg.num_stages,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         SPLIT=split,
+        MERGE=merge,
+        BLOCK_G=next_power_of_2(group),
+        SPLIT_BLOCK=policy.split_merge_block(next_power_of_2(group), block_d) if merge else 1,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
     grid = (batch * kv.num_kv_heads * num_splits,)
     if split:
-        # fp32 partial states; stage 2 merges them straight into out (cast at the store)
+        # fp32 partial states, merged straight into out (cast at the store): by the last
+        # split of each (request, kv head), counting arrivals in count, while they are few
+        # bytes; else by merge_states' kernel.
         part_o = scratch((batch, num_splits, num_qo_heads, head_dim), torch.float32, device)
         part_lse = scratch((batch, num_splits, num_qo_heads), torch.float32, device)
+        count = counters(batch * kv.num_kv_heads, device) if merge else lse
         part_strides = (*part_o.stride()[:3], *part_lse.stride())
     else:
-        part_o, part_lse = out, lse  # not touched
+        part_o, part_lse, count = out, lse, lse  # not touched
         part_strides = (0, 0, 0, 0, 0, 0)
     launch(
         _decode_kernel, grid,
-        q, kv.k, kv.v, kv_indptr, kv_indices, kv_last_page_len, out, lse, part_o, part_lse,
+        q, kv.k, kv.v, kv_indptr, kv_indices, kv_last_page_len, out, lse, part_o, part_lse, count,
         scale * LOG2E, kv.num_kv_heads, num_splits,
         q.stride(0), q.stride(1),
         kv.stride_page, kv.stride_token, kv.stride_head,
@@ -449,6 +489,5 @@ def _launch_per_request(q, kv: PagedKV, kv_indptr, kv_indices, kv_last_page_len,
         *part_strides,
         **meta,
     )
-    if split:
-        # Stage 2 (inputs checked here already: the internal launcher, no second check).
-        merge_many.merge_states_unchecked(part_o, part_lse, out, lse)
+    if split and not merge:
+        merge_many.merge_states_unchecked(part_o, part_lse, out, lse)  # inputs checked here already

@@ -11,8 +11,9 @@ launcher records its first call and replays the recording afterwards:
   through :func:`launch`: the compiled kernel, the grid and the argument list, in which
   each tensor argument is written as ``(root, byte offset)`` when it is a view of one of
   ``roots`` (the caller's tensors: q, the cache, the page table, out, lse), as a slice of
-  the call's scratch buffer when it came from :func:`scratch`, and kept as it is
-  otherwise (tensors the owner of the recording keeps alive, e.g. a plan's metadata).
+  the call's scratch buffer when it came from :func:`scratch`, as a slice of its counter
+  block when it came from :func:`counters`, and kept as it is otherwise (tensors the owner
+  of the recording keeps alive, e.g. a plan's metadata).
 - ``Recording.replay(roots)`` reads the new roots' addresses and launches the same
   kernels. On CUDA every kernel of the recording goes out in one call of our C launcher
   (:mod:`cascadeinfer.kernels.direct_launch`: parameters packed once, the new addresses
@@ -73,6 +74,7 @@ class _Launch:
     meta: dict
     roots: list[tuple[int, int, int]]  # (arg index, root index, byte offset)
     scratch: list[tuple[int, int]]  # (arg index, byte offset in the scratch buffer)
+    counters: list[tuple[int, int]]  # (arg index, byte offset in the counter block)
     views: dict[int, tuple | None]  # arg index -> (dtype, size, stride) of the view it was (interpreter); None: a root, whole
     keep: list[torch.Tensor] = field(default_factory=list)
 
@@ -87,32 +89,43 @@ _STREAM = 3
 class Recording:
     """The kernel launches of one launcher call, replayable with new roots.
 
-    ``keep_scratch``: the scratch tensors of the recorded call stay owned by the recording
-    and every replay reuses them (for an owner whose replays are ordered on its streams,
-    like a cascade plan); otherwise every replay carves them out of one fresh allocation.
+    ``keep_scratch``: the scratch and counter tensors of the recorded call stay owned by
+    the recording and every replay reuses them (for an owner whose replays are ordered on
+    its streams, like a cascade plan); otherwise every replay carves its scratch out of
+    one fresh allocation and its counters out of a zeroed block: its stream's, kept for
+    every recording replayed there (kernels on one stream run one after the other, and
+    each leaves its counters zero), or, while a CUDA graph is captured, one zeroed inside
+    the graph (its replays may run beside eager work on the same stream's block).
     """
 
     keep_scratch: bool
     valid: bool = True  # False: an argument could not be traced to one root; never replay
     launches: list[_Launch] = field(default_factory=list)
     scratch_bytes: int = 0
+    counter_bytes: int = 0
     _scratch: list[torch.Tensor] = field(default_factory=list)  # while recording
     _scratch_offsets: list[int] = field(default_factory=list)
+    _counters: list[torch.Tensor] = field(default_factory=list)  # while recording
+    _counter_offsets: list[int] = field(default_factory=list)
     _root_spans: list[tuple[int, int, int]] = field(default_factory=list)  # (storage ptr, data ptr, index)
     _roots: list[torch.Tensor] = field(default_factory=list)  # while recording
     _direct: tuple | None = None  # the prepared direct launches (empty: not possible), once replayed
-    _templates: tuple[torch.Tensor, ...] = ()  # per root: a stride-0 view of its dtype, device and shape
+    _templates: tuple[torch.Tensor, ...] = ()  # per root: a memoryless tensor of its dtype, device and shape
     # (raw stream, block): the scratch of replays on that stream, kept while it is small.
     # Kernels on one stream run in order, so a replay there may reuse the block its last
     # replay there used; a replay on another stream, or one being captured in a CUDA
     # graph (whose launches run later, against the eager ones), takes its own block.
     _kept_scratch: tuple[int, torch.Tensor] | None = None
+    # (raw stream, block, its address): the counter block of the last eager replay, held
+    # here so that the next replay on that stream skips the lookup by stream.
+    _kept_counts: tuple[int, torch.Tensor, int] | None = None
 
     def fresh(self, index: int) -> torch.Tensor:
         """A new contiguous tensor of root ``index``'s recorded dtype, device and shape:
-        an output the launcher allocates for the caller. ``empty_like`` of a stride-0
-        template costs a third of ``torch.empty(shape, dtype=..., device=...)``, whose
-        keyword parsing dominates a small allocation (benchmarks/NOTES.md, "Host cost")."""
+        an output the launcher allocates for the caller. ``empty_like`` of a memoryless
+        template (:func:`_template`) costs a fraction of ``torch.empty(shape, dtype=...,
+        device=...)``, whose keyword parsing dominates a small allocation
+        (benchmarks/NOTES.md, "Host cost")."""
         return torch.empty_like(self._templates[index])
 
     def outputs(self, out: torch.Tensor | None, lse: torch.Tensor | None, index: int) -> tuple[torch.Tensor, ...]:
@@ -136,41 +149,57 @@ class Recording:
         current = torch._C._cuda_getCurrentRawStream(device_index)
         if stream is None:
             stream = current
-        if not self.scratch_bytes or self.keep_scratch:  # kept scratch sits in the argument lists
-            self._launch_cuda(roots, stream, 0)
+        if self.keep_scratch or not (self.scratch_bytes or self.counter_bytes):
+            self._launch_cuda(roots, stream, 0, 0)  # kept scratch and counters sit in the argument lists
+            return
+        capturing = torch._C._cuda_isCurrentStreamCapturing()
+        zeroed = None  # a graph's own counters, alive until its launches are captured
+        counts = 0
+        if self.counter_bytes:
+            kept_counts = self._kept_counts
+            if capturing:
+                zeroed = torch.zeros(self.counter_bytes // 4, dtype=torch.int32, device=roots[0].device)
+                counts = zeroed.data_ptr()
+            elif kept_counts is not None and kept_counts[0] == stream:
+                counts = kept_counts[2]
+            else:
+                block = _stream_counters(roots[0].device, device_index, stream, current, self.counter_bytes)
+                counts = block.data_ptr()
+                self._kept_counts = (stream, block, counts)
+        if not self.scratch_bytes:
+            self._launch_cuda(roots, stream, 0, counts)
             return
         kept = self._kept_scratch
-        if kept is not None and kept[0] == stream and not torch._C._cuda_isCurrentStreamCapturing():
+        if kept is not None and kept[0] == stream and not capturing:
             # This stream's last replay used this block: its kernels run before ours.
-            self._launch_cuda(roots, stream, kept[1].data_ptr())
+            self._launch_cuda(roots, stream, kept[1].data_ptr(), counts)
             return
         if device_index != torch._C._cuda_getDevice():  # the raw allocator serves the current device
             scratch = torch.empty(self.scratch_bytes, dtype=torch.uint8, device=roots[0].device)
-            self._launch_cuda(roots, stream, scratch.data_ptr())
+            self._launch_cuda(roots, stream, scratch.data_ptr(), counts)
             return
-        if (kept is None and stream == current and self.scratch_bytes <= _KEEP_SCRATCH_BYTES
-                and not torch._C._cuda_isCurrentStreamCapturing()):
+        if kept is None and stream == current and self.scratch_bytes <= _KEEP_SCRATCH_BYTES and not capturing:
             # A small block, allocated on the stream that uses it, kept for its next replays.
             block = torch.empty(self.scratch_bytes, dtype=torch.uint8, device=roots[0].device)
             self._kept_scratch = (stream, block)
-            self._launch_cuda(roots, stream, block.data_ptr())
+            self._launch_cuda(roots, stream, block.data_ptr(), counts)
             return
         # The scratch is taken from PyTorch's caching allocator on this stream and given
         # back once the kernels are enqueued, as a temporary tensor would be (stream-ordered
         # reuse; inside a graph capture, from the graph's pool), without a tensor object.
         base = _raw_alloc(self.scratch_bytes, stream)
         try:
-            self._launch_cuda(roots, stream, base)
+            self._launch_cuda(roots, stream, base, counts)
         finally:
             _raw_free(base)
 
-    def _launch_cuda(self, roots, stream: int, base: int) -> None:
+    def _launch_cuda(self, roots, stream: int, base: int, counts: int) -> None:
         ptrs = [t.data_ptr() for t in roots]
         hooked = bool(knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls)
         if not hooked:
             direct = self._direct if self._direct is not None else self._prepare_direct(len(roots))
             # False: this thread has no current CUDA context yet; Triton's launcher below makes it.
-            if direct and direct_launch.module().run(direct, (*ptrs, base), stream):
+            if direct and direct_launch.module().run(direct, (*ptrs, base, counts), stream):
                 return
         for ln in self.launches:
             args = ln.args.copy()
@@ -179,6 +208,8 @@ class Recording:
                 args[i] = ptrs[r] + off
             for i, off in ln.scratch:
                 args[i] = base + off
+            for i, off in ln.counters:
+                args[i] = counts + off
             if hooked:  # a profiler listens: Triton's own path, with launch metadata and hooks
                 c = ln.compiled
                 c.run(*ln.grid, stream, c.function, c.packed_metadata,
@@ -189,11 +220,13 @@ class Recording:
 
     def _prepare_direct(self, num_roots: int) -> tuple:
         """Every launch prepared for :mod:`~cascadeinfer.kernels.direct_launch` (the
-        scratch base is root ``num_roots``), or ``()`` if any one cannot be."""
+        scratch base is root ``num_roots``, the counter block's ``num_roots + 1``), or
+        ``()`` if any one cannot be."""
         prepared = []
         for ln in self.launches:
             patches = {i - _HEAD: (r, off) for i, r, off in ln.roots}
             patches.update({i - _HEAD: (num_roots, off) for i, off in ln.scratch})
+            patches.update({i - _HEAD: (num_roots + 1, off) for i, off in ln.counters})
             one = direct_launch.prepare(ln.compiled, ln.grid, ln.args[_HEAD:], patches)
             if one is None:
                 prepared = []
@@ -203,7 +236,9 @@ class Recording:
         return self._direct
 
     def _replay_interpreted(self, roots) -> None:
-        buf = torch.empty(self.scratch_bytes, dtype=torch.uint8, device=roots[0].device) if self.scratch_bytes else None
+        device = roots[0].device
+        buf = torch.empty(self.scratch_bytes, dtype=torch.uint8, device=device) if self.scratch_bytes else None
+        counts = torch.zeros(self.counter_bytes, dtype=torch.uint8, device=device) if self.counter_bytes else None
         for ln in self.launches:
             args = ln.args.copy()
             for i, r, off in ln.roots:
@@ -211,6 +246,8 @@ class Recording:
                 args[i] = roots[r] if view is None else _view(roots[r], off, *view)
             for i, off in ln.scratch:
                 args[i] = _view(buf, off, *ln.views[i])
+            for i, off in ln.counters:
+                args[i] = _view(counts, off, *ln.views[i])
             ln.kernel[ln.grid](*args, **ln.meta)
 
     # ---- recording side
@@ -229,7 +266,7 @@ class Recording:
                     *(given[p.name] if p.name in given else p.default for p in kernel.params)]
             head = _HEAD
             meta = {}
-        roots, scratch, views, kept, keep = [], [], {}, list(args), []
+        roots, scratch, counts, views, kept, keep = [], [], [], {}, list(args), []
         for i, a in enumerate(args):
             if i < head or not isinstance(a, torch.Tensor):
                 continue
@@ -245,8 +282,10 @@ class Recording:
             kind, index, off = ref
             if kind == "root":
                 roots.append((i, index, off))
-            else:
+            elif kind == "scratch":
                 scratch.append((i, off))
+            else:
+                counts.append((i, off))
             # A root passed whole is passed whole again (its length may differ: lengthless keys).
             whole = kind == "root" and off == 0 and self._is_root(a, index)
             views[i] = None if whole else (a.dtype, tuple(a.shape), tuple(a.stride()))
@@ -256,8 +295,8 @@ class Recording:
                 keep.append(a)
                 kept[i] = a.data_ptr()
         if self.keep_scratch:
-            scratch = []  # the scratch tensors themselves stay in the argument list
-        self.launches.append(_Launch(kernel, compiled, grid, kept, meta, roots, scratch, views, keep))
+            scratch, counts = [], []  # the scratch and counter tensors themselves stay in the argument list
+        self.launches.append(_Launch(kernel, compiled, grid, kept, meta, roots, scratch, counts, views, keep))
 
     def _is_root(self, t: torch.Tensor, index: int) -> bool:
         root = self._roots[index]
@@ -276,9 +315,11 @@ class Recording:
         if roots:
             root_ptr, index = roots[0]
             return "root", index, ptr - root_ptr
-        for index, s in enumerate(self._scratch):
-            if storage == s.untyped_storage().data_ptr():
-                return "scratch", index, self._scratch_offsets[index] + t.data_ptr() - s.data_ptr()
+        for kind, tensors, offsets in (("scratch", self._scratch, self._scratch_offsets),
+                                       ("counter", self._counters, self._counter_offsets)):
+            for index, s in enumerate(tensors):
+                if storage == s.untyped_storage().data_ptr():
+                    return kind, index, offsets[index] + t.data_ptr() - s.data_ptr()
         return None
 
 
@@ -290,12 +331,24 @@ def _raw_free(ptr: int) -> None:
     torch._C._cuda_cudaCachingAllocator_raw_delete(ptr)
 
 
+_TEMPLATE_BYTES = 4 * 2**20  # roots up to this size get a dense template (see _template)
+_TEMPLATE_STORAGE: dict[torch.device, torch.UntypedStorage] = {}
 _ONE: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 
 def _template(t: torch.Tensor) -> torch.Tensor:
-    """A view of one element, expanded to ``t``'s shape (no memory of its own): what
-    ``torch.empty_like`` needs to make a contiguous tensor like ``t``."""
+    """A tensor of ``t``'s dtype, device and shape, contiguous, that owns no memory of
+    its own: what ``torch.empty_like`` needs to make an output like ``t``. Up to
+    ``_TEMPLATE_BYTES`` it is a dense view of one never-written storage per device
+    (``empty_like`` copies a dense tensor's strides, about 1 µs cheaper per call than
+    the layout it must work out for an expanded one); larger, a view of one element
+    expanded to the shape."""
+    if t.numel() * t.element_size() <= _TEMPLATE_BYTES:
+        storage = _TEMPLATE_STORAGE.get(t.device)
+        if storage is None:
+            storage = torch.empty(_TEMPLATE_BYTES, dtype=torch.uint8, device=t.device).untyped_storage()
+            _TEMPLATE_STORAGE[t.device] = storage
+        return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, t.shape)
     key = (t.dtype, t.device)
     one = _ONE.get(key)
     if one is None:
@@ -339,6 +392,7 @@ def recording(roots: Sequence[torch.Tensor], *, keep_scratch: bool = False) -> I
         rec._templates = tuple(_template(t) for t in roots)
         if not keep_scratch:
             rec._scratch.clear()  # replays allocate their own
+            rec._counters.clear()
         rec._root_spans.clear()
         rec._roots = []
 
@@ -377,6 +431,42 @@ def scratch(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> t
         nbytes = t.numel() * t.element_size()
         rec.scratch_bytes += -(-nbytes // _SCRATCH_ALIGN) * _SCRATCH_ALIGN
     return t
+
+
+def counters(n: int, device: torch.device) -> torch.Tensor:
+    """``n`` int32 zeros in which a kernel's programs count their arrivals (the last of
+    a row's KV splits to finish merges them: :mod:`cascadeinfer.kernels.split_merge`).
+    The kernel must leave every counter zero when it ends, so that the next kernel on the
+    stream finds them zero without a memset. A recording in progress keeps them or gives
+    every replay zeroed ones (see :class:`Recording`)."""
+    t = torch.zeros(n, dtype=torch.int32, device=device)
+    rec = _RECORDING.get()
+    if rec is not None:
+        rec._counters.append(t)
+        rec._counter_offsets.append(rec.counter_bytes)
+        rec.counter_bytes += -(-4 * n // _SCRATCH_ALIGN) * _SCRATCH_ALIGN
+    return t
+
+
+# (device index, raw stream) -> the zeroed counter block of replays on that stream.
+_STREAM_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _stream_counters(device: torch.device, device_index: int, stream: int, current: int,
+                     nbytes: int) -> torch.Tensor:
+    """``stream``'s counter block, at least ``nbytes`` long and zero between kernels
+    (each kernel resets what it counted). A larger block replaces a smaller one for later
+    lookups; recordings that hold the old one keep using it on that stream, in order."""
+    block = _STREAM_COUNTERS.get((device_index, stream))
+    if block is None or block.numel() * 4 < nbytes:
+        size = max(nbytes // 4, 0 if block is None else 2 * block.numel())
+        if stream == current:
+            block = torch.zeros(size, dtype=torch.int32, device=device)
+        else:  # zeroed on the stream whose kernels will count in it
+            with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=device)):
+                block = torch.zeros(size, dtype=torch.int32, device=device)
+        _STREAM_COUNTERS[(device_index, stream)] = block
+    return block
 
 
 # ---- call signatures

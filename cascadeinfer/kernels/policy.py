@@ -499,6 +499,34 @@ def merge_unroll(states_per_row: int, few_programs: bool) -> int:
     return min(MERGE_MAX_UNROLL_FEW if few_programs else MERGE_MAX_UNROLL, next_power_of_2(max(1, states_per_row)))
 
 
+# ------------------------------------------------------------------ split-KV merge in a kernel
+
+# The last split of a row merges the splits' float32 states inside the kernel
+# (cascadeinfer.kernels.split_merge) when they are few bytes: it reads them in tiles of
+# [splits, rows, head_dim] of at most SPLIT_MERGE_TILE elements (32 KiB, 64 registers a
+# thread at 4 warps), one round trip to L2 per tile, while the other SMs may already idle.
+# Up to IN_KERNEL_MERGE_BYTES (four such tiles) that tail costs less than a merge kernel
+# (its launch, on the host and in the GPU's queue, and its own round trips); past it, the
+# splits go to merge_states' kernel, which spreads the merge over the whole GPU.
+SPLIT_MERGE_TILE = 8192
+IN_KERNEL_MERGE_BYTES = 4 * 4 * SPLIT_MERGE_TILE
+
+
+def merge_in_kernel(num_splits: int, rows: int, head_dim: int) -> bool:
+    """Whether a program's last split merges the ``num_splits`` float32 states of its
+    ``rows`` rows of ``head_dim`` values itself (else a merge kernel follows)."""
+    return num_splits * rows * head_dim * 4 <= IN_KERNEL_MERGE_BYTES
+
+
+def split_merge_block(rows: int, block_d: int) -> int:
+    """Splits per tile of the in-kernel merge: a power of two, at least 1, with the
+    ``[splits, rows, block_d]`` tile within :data:`SPLIT_MERGE_TILE` elements where it can be."""
+    block = 1
+    while block * 2 * rows * block_d <= SPLIT_MERGE_TILE:
+        block *= 2
+    return block
+
+
 # ---------------------------------------------------------------------------------- rope
 
 
