@@ -29,6 +29,17 @@ Before timing, at every shape and layout, each method's append is checked: the p
 filled with a poison value (inf), the append runs, the appended slots must hold exactly
 the new K/V (targets worked out on the host from the page table, not from
 batch_indices/positions) and every other slot of the pool must still hold the poison.
+
+Then RoPE with the append, at the engine's decode step (batch 256, Hq 32, Hkv 8, D 128,
+page 16, bf16; both layouts): ``append_paged_kv_cache_rope`` (one launch: q and k rotated
+in place, the rotated K and V appended) against ``apply_rope`` then
+``append_paged_kv_cache`` (what a fused decoder layer ran before), on the same inputs: q,
+k and v views of one qkv projection output per set, each token rotated by its own
+position in an 8192-entry cos/sin table. Bytes = the append's above, plus q read and
+written, k written back, each token's cos/sin row and its int64 rotation position; one
+floor for both methods (the two launches move more: k is read twice). Checked first: the
+two launches' q and k after rotation equal the fused launch's bit for bit, and each
+leaves the rotated K and V in their slots and the poison everywhere else.
 """
 
 from __future__ import annotations
@@ -52,12 +63,14 @@ from benchmarks._common import (
     rotation_count,
     write_json,
 )
-from benchmarks.fixtures import DTYPE, HKV, PAGE, D
+from benchmarks.fixtures import DTYPE, HKV, HQ, PAGE, D
 from cascadeinfer import (
     append_paged_kv_cache,
+    append_paged_kv_cache_rope,
     get_batch_indices_positions,
     get_seq_lens,
 )
+from cascadeinfer.kernels.fused import apply_rope
 from cascadeinfer.layouts.paged_cache import unpack_paged_kv_cache
 
 DECODE_BATCHES = (1, 8, 64, 256, 512)
@@ -70,6 +83,10 @@ LAYOUTS = ("NHD", "HND")
 POISON = float("inf")  # no appended value is inf: a slot still holding it was not written
 TOKEN_BYTES = 2 * HKV * D * DTYPE.itemsize  # K and V of one token, all kv heads
 SPARE_PAGES = 7  # pages no table names: the check sees that they stay untouched too
+ROPE_BATCHES = (256,)  # the engine's decode step at Llama-3-8B shapes
+SMOKE_ROPE_BATCH = 3
+ROPE_MAX_POS = 8192  # rows of the cos/sin table (Llama-3's context)
+QKV_WIDTH = (HQ + 2 * HKV) * D
 
 
 class Append:
@@ -124,6 +141,25 @@ class Append:
                 raise AssertionError("a slot outside the append was written")
 
 
+class RopeAppend(Append):
+    """Append's sets, their K and V cut from a qkv projection output per set with the q
+    beside them (the views the engine passes), rotated by each token's own position."""
+
+    def __init__(self, prior: list[int], new: list[int], layout: str, device, *, rot: int, seed: int):
+        super().__init__(prior, new, layout, device, rot=rot, seed=seed)
+        self.qkv = [torch.randn(self.nnz, QKV_WIDTH, dtype=DTYPE, device=device) for _ in range(rot)]
+        views = [(x[:, :HQ * D].view(-1, HQ, D), x[:, HQ * D:(HQ + HKV) * D].view(-1, HKV, D),
+                  x[:, (HQ + HKV) * D:].view(-1, HKV, D)) for x in self.qkv]
+        self.q, self.keys, self.values = (list(t) for t in zip(*views))  # Append.check reads keys/values
+        # Each table starts at its row's first page, so the slot position is the sequence position.
+        self.rope_positions = [p.long() for p in self.positions]
+        inv_freq = 1.0 / (500000.0 ** (torch.arange(0, D, 2, device=device).float() / D))
+        freqs = torch.arange(ROPE_MAX_POS, device=device).float()[:, None] * inv_freq[None, :]
+        self.cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(DTYPE)
+        elem = DTYPE.itemsize
+        self.nbytes += self.nnz * (2 * HQ * D * elem + HKV * D * elem + D * elem + 8)
+
+
 # --------------------------------------------------------------------------- methods
 
 
@@ -156,6 +192,22 @@ def flashinfer_append(fi, w: Append):
         sets.append((bi, pos))
     return lambda i: lambda: fi.append_paged_kv_cache(w.keys[i], w.values[i], *sets[i], w.pool, w.indices[i],
                                                       w.indptr, w.last, kv_layout=w.layout)
+
+
+def rope_fused(w: RopeAppend, i: int, validate: bool = False):
+    return lambda: append_paged_kv_cache_rope(
+        w.q[i], w.keys[i], w.values[i], w.batch_indices[i], w.positions[i], w.pool, w.indices[i], w.indptr, w.last,
+        w.rope_positions[i], w.cos_sin, kv_layout=w.layout, validate=validate)
+
+
+def rope_then_append(w: RopeAppend, i: int, validate: bool = False):
+    """The two launches the fused one replaces."""
+    def run():
+        apply_rope(w.q[i], w.keys[i], w.rope_positions[i], w.cos_sin, validate=validate)
+        append_paged_kv_cache(w.keys[i], w.values[i], w.batch_indices[i], w.positions[i], w.pool, w.indices[i],
+                              w.indptr, w.last, kv_layout=w.layout, validate=validate)
+
+    return run
 
 
 # --------------------------------------------------------------------------- one shape
@@ -209,6 +261,43 @@ def run_shape(workload: str, batch: int, new: int, layout: str, *, device, fi, c
     return row
 
 
+def run_rope_shape(batch: int, layout: str, *, device, copy_bw: float | None, rep_ms: int, seed: int) -> dict:
+    """Check the fused launch against the two it replaces at this decode batch, then (on
+    a GPU) time both. A failed check raises."""
+    g = torch.Generator().manual_seed(seed)
+    prior = torch.randint(0, HISTORY["decode"], (batch,), generator=g).tolist()
+    per_call = 2 * batch * TOKEN_BYTES + batch * 2 * QKV_WIDTH * DTYPE.itemsize
+    rot = rotation_count(per_call) if device.type == "cuda" else 1
+    w = RopeAppend(prior, [1] * batch, layout, device, rot=rot, seed=seed)
+    floor = None if copy_bw is None else roofline_floor(w.nbytes, 0, copy_bw, 1.0)
+    row = dict(workload="decode+rope", layout=layout, batch=batch, nnz=w.nnz, rot=rot, MB=w.nbytes / 1e6,
+               floor_us=None if floor is None else floor * 1e6)
+    bits = torch.int16  # bf16: compared as raw bits
+
+    # The two launches first, on set 0: what the fused launch must reproduce.
+    unrotated = w.qkv[0].clone()
+    w.pool.fill_(POISON)
+    rope_then_append(w, 0, validate=True)()
+    w.check(0)
+    rotated = w.qkv[0].clone()
+    w.qkv[0].copy_(unrotated)
+    w.pool.fill_(POISON)
+    rope_fused(w, 0, validate=True)()
+    if not torch.equal(w.qkv[0].view(bits), rotated.view(bits)):
+        raise AssertionError(f"decode+rope batch {batch} {layout}: q or k differ from apply_rope's")
+    w.check(0)
+    w.qkv[0].copy_(unrotated)
+    row["check"] = "fused=separate+slots"
+    for name, make in (("fused", rope_fused), ("separate", rope_then_append)):
+        seconds = bench_rotating([make(w, i) for i in range(rot)], rep_ms=rep_ms) if device.type == "cuda" else None
+        row[f"{name}_us"] = None if seconds is None else seconds * 1e6
+        row[f"{name}_GBps"] = None if seconds is None else w.nbytes / seconds / 1e9
+        row[f"{name}_frac"] = None if seconds is None or floor is None else floor / seconds
+    if row.get("fused_us") and row.get("separate_us"):
+        row["separate_over_fused"] = row["separate_us"] / row["fused_us"]
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a few shapes only")
@@ -243,13 +332,31 @@ def main() -> None:
               + (f"; ours {row['ours_us']:.1f} us, {row['ours_frac']:.2f} of floor" if row.get("ours_us") else ""),
               flush=True)
 
-    write_json(args.json, dict(env=environment(), copy_Bps=copy_bw, rows=rows,
-                               shape=dict(hkv=HKV, head_dim=D, page_size=PAGE, dtype=str(DTYPE), smoke=args.smoke)))
+    rope_rows = []
+    for n, (batch, layout) in enumerate(itertools.product((SMOKE_ROPE_BATCH,) if args.smoke else ROPE_BATCHES,
+                                                          LAYOUTS)):
+        row = run_rope_shape(batch, layout, device=device, copy_bw=copy_bw, rep_ms=args.rep_ms, seed=200 + n)
+        rope_rows.append(row)
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        print(f"# decode+rope batch {batch} {layout}: checked {row['check']}"
+              + (f"; fused {row['fused_us']:.1f} us, separate {row['separate_us']:.1f} us" if row.get("fused_us")
+                 else ""), flush=True)
+
+    write_json(args.json, dict(env=environment(), copy_Bps=copy_bw, rows=rows, rope_rows=rope_rows,
+                               shape=dict(hq=HQ, hkv=HKV, head_dim=D, page_size=PAGE, dtype=str(DTYPE),
+                                          smoke=args.smoke)))
     print(f"\n## append_paged_kv_cache, bf16, Hkv {HKV}, D {D}, page {PAGE}"
           + (f" (copy bandwidth {copy_bw / 1e9:.0f} GB/s)" if copy_bw else " (smoke: no timing)") + "\n")
     print(markdown_table(rows, ["workload", "layout", "batch", "new", "nnz", "rot", "MB", "floor_us", "ours_us",
                                 "ours_GBps", "ours_frac", "fi_us", "fi_frac", "fi_over_ours", "torch_us",
                                 "torch_frac", "check"]))
+    print(f"\n## append_paged_kv_cache_rope against apply_rope + append_paged_kv_cache, bf16, Hq {HQ}, Hkv {HKV}, "
+          f"D {D}, page {PAGE}\n")
+    print(markdown_table(rope_rows, ["workload", "layout", "batch", "rot", "MB", "floor_us", "fused_us", "fused_GBps",
+                                     "fused_frac", "separate_us", "separate_GBps", "separate_frac",
+                                     "separate_over_fused", "check"]))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ shape ``[tokens, heads]``; states merge associatively. See DESIGN.md for the con
 from cascadeinfer.cascade import MultiLevelCascadeAttention
 from cascadeinfer.kernels import (
     append_paged_kv_cache,
+    append_paged_kv_cache_rope,
     batch_decode_paged,
     batch_prefill_paged,
     batch_prefill_ragged,
@@ -26,6 +27,7 @@ __all__ = [
     "PageTable",
     "PagedKVPool",
     "append_paged_kv_cache",
+    "append_paged_kv_cache_rope",
     "batch_decode_paged",
     "batch_prefill_paged",
     "batch_prefill_ragged",

@@ -32,6 +32,7 @@ from cascadeinfer.kernels.decode import batch_decode_paged
 from cascadeinfer.kernels.merge import merge_state
 from cascadeinfer.kernels.merge_many import merge_states
 from cascadeinfer.kernels.prefill import batch_prefill_paged, batch_prefill_ragged
+from cascadeinfer.kernels.rope_append import append_paged_kv_cache_rope
 
 
 def _cache(k_cache: torch.Tensor, v_cache: Optional[torch.Tensor]):
@@ -99,10 +100,24 @@ def append_paged_kv_cache_op(
                           kv_indices, kv_indptr, kv_last_page_len, kv_layout=kv_layout, validate=validate)
 
 
+@torch.library.custom_op("cascadeinfer::append_paged_kv_cache_rope",
+                         mutates_args=("q", "append_key", "k_cache", "v_cache"))
+def append_paged_kv_cache_rope_op(
+    q: torch.Tensor, append_key: torch.Tensor, append_value: torch.Tensor, batch_indices: torch.Tensor,
+    positions: torch.Tensor, k_cache: torch.Tensor, v_cache: Optional[torch.Tensor], kv_indices: torch.Tensor,
+    kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor, rope_positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor, kv_layout: str, validate: bool = False,
+) -> None:
+    """``append_paged_kv_cache_rope`` (rotates ``q`` and ``append_key`` in place, mutates the cache)."""
+    append_paged_kv_cache_rope(q, append_key, append_value, batch_indices, positions, _cache(k_cache, v_cache),
+                               kv_indices, kv_indptr, kv_last_page_len, rope_positions, cos_sin_cache,
+                               kv_layout=kv_layout, validate=validate)
+
+
 # Every op only writes into its mutated arguments, so the fake (meta) implementations
 # have nothing to compute.
 for _op in (merge_state_op, merge_states_op, batch_decode_paged_op, batch_prefill_paged_op,
-            batch_prefill_ragged_op, append_paged_kv_cache_op):
+            batch_prefill_ragged_op, append_paged_kv_cache_op, append_paged_kv_cache_rope_op):
     _op.register_fake(lambda *args, **kwargs: None)
 
 

@@ -284,12 +284,19 @@ def few_decode_splits(monkeypatch, device):
 
 
 @pytest.mark.parametrize("mode", ["cascade", "flat", "padded-graph-path"])
-def test_triton_kernels_end_to_end(mode, tmp_path, device, few_decode_splits):
-    """The real kernels (the interpreter on a CPU): append, ragged and paged prefill,
-    cascade (prefix + decode + merge) and flat decode, prefix hits and copy-on-write, and
-    the CUDA-graph path's padded buffers (without capture)."""
+def test_triton_kernels_end_to_end(mode, tmp_path, device, few_decode_splits, monkeypatch):
+    """The real kernels (the interpreter on a CPU): RoPE fused with the K/V append, ragged
+    and paged prefill, cascade (prefix + decode + merge) and flat decode, prefix hits and
+    copy-on-write, and the CUDA-graph path's padded buffers (without capture)."""
+    from cascadeinfer.engine import model_runner  # noqa: PLC0415
     from cascadeinfer.engine.model_runner import DecodeGraphs  # noqa: PLC0415
 
+    calls = {"append_paged_kv_cache": 0, "append_paged_kv_cache_rope": 0}
+    for name in calls:
+        def counted(*args, _fn=getattr(model_runner, name), _name=name, **kwargs):
+            calls[_name] += 1
+            return _fn(*args, **kwargs)
+        monkeypatch.setattr(model_runner, name, counted)
     model = _tiny("llama", tmp_path, num_hidden_layers=1)
     prompts = [PREFIX[:9] + [40 + i] for i in range(2)]  # 2 full shared pages + own page
     llm = _llm(tmp_path, device, use_cascade=mode != "flat", record_steps=True, max_graph_batch=4)
@@ -300,6 +307,9 @@ def test_triton_kernels_end_to_end(mode, tmp_path, device, few_decode_splits):
     # On a GPU the engine captures decode graphs by default; on a CPU only the forced path uses them.
     assert any(s.graph for s in llm.step_stats) == (mode == "padded-graph-path" or device.type == "cuda")
     assert llm.cache.hits == 2
+    # The fused layers leave the rotation to the step's attention: one launch per layer
+    # rotates and appends, eager steps and graph steps alike.
+    assert calls["append_paged_kv_cache_rope"] > 0 and calls["append_paged_kv_cache"] == 0
 
 
 # ---- checkpoints ---------------------------------------------------------------------

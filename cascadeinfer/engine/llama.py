@@ -11,8 +11,10 @@ theta and scaling (default, linear, llama3).
 Tokens are flat: ``[num_tokens, hidden]`` with an explicit position per token; there is no
 batch dimension. Attention is not done here: each layer hands its ``q, k, v`` to the
 ``attention`` callable of the step (the model runner's, which appends K/V to the paged
-pool and runs the prefill / cascade kernels). The operations and their order follow
-Hugging Face's implementation, so that both give the same numbers.
+pool and runs the prefill / cascade kernels). With the fused kernels on, an attention
+that says it can (:data:`Attention`) also takes over the rotary embedding, so that the
+rotation of k and its append to the pool are one pass. The operations and their order
+follow Hugging Face's implementation, so that both give the same numbers.
 
 q/k/v and gate/up projections are fused into one weight each; loading a checkpoint
 copies the Hugging Face tensors into their slices.
@@ -47,8 +49,13 @@ from cascadeinfer.kernels.fused import (
     silu_and_mul,
 )
 
-# attention(layer_index, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> o [T, Hq, D]
-Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# attention(layer_index, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> o [T, Hq, D], q and k
+# rotated. An attention whose attribute ``applies_rope`` is true is called instead, when the
+# layer runs fused, as attention(layer_index, q, k, v, positions [T], cos_sin [max_positions, D])
+# with q and k not yet rotated: it rotates both in place (apply_rope's contract: cos_sin is
+# RotaryEmbedding's table) before it reads them. Unfused layers call every attention the
+# first way, so such an attention still accepts it.
+Attention = Callable[..., torch.Tensor]
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -208,11 +215,15 @@ class DecoderLayer(nn.Module):
         qkv = F.linear(h, self.qkv_proj, self.qkv_bias)
         q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
         q, k, v = q.view(tokens, hq, d), k.view(tokens, hkv, d), v.view(tokens, hkv, d)
-        if fused:
-            rotary.rotate_(positions, q, k)
-        else:
+        if not fused:
             q, k = rotary(positions, q, k)
-        o = attention(self.index, q, k, v)
+            o = attention(self.index, q, k, v)
+        elif getattr(attention, "applies_rope", False):
+            # The attention rotates q and k as it appends K/V: k is read and written once.
+            o = attention(self.index, q, k, v, positions, rotary.cos_sin)
+        else:
+            rotary.rotate_(positions, q, k)
+            o = attention(self.index, q, k, v)
         h = self._row_parallel(o.view(tokens, hq * d), self.o_proj, self.o_bias)
         h, residual = self.post_attention_layernorm.add_norm(h, residual, fused)
         gate_up = F.linear(h, self.gate_up_proj, self.gate_up_bias)

@@ -4,7 +4,9 @@ A step's tokens are laid out flat: every prefill chunk first, then one token per
 sequence. Per layer, the attention callable of the step
 
 1. appends the step's K/V to the paged pool (``append_paged_kv_cache``, one call for all
-   tokens, through one CSR page table with a row per sequence);
+   tokens, through one CSR page table with a row per sequence). With the model's fused
+   kernels on, the layer leaves RoPE to it too, and one launch
+   (``append_paged_kv_cache_rope``) rotates q and k in place and appends the rotated K/V;
 2. runs prefill attention for the chunks: ``batch_prefill_ragged`` over the step's own
    K/V when no chunk has earlier tokens in the cache, else ``batch_prefill_paged`` over
    each sequence's pages (causal, the last query aligned with the last key);
@@ -38,6 +40,7 @@ from cascadeinfer.engine.scheduler import ScheduledBatch
 from cascadeinfer.engine.sequence import Sequence
 from cascadeinfer.kernels import batch_prefill_paged, batch_prefill_ragged
 from cascadeinfer.kernels.append import append_paged_kv_cache
+from cascadeinfer.kernels.rope_append import append_paged_kv_cache_rope
 from cascadeinfer.layouts.pool import PagedKVPool
 
 # ---- the attention of one step --------------------------------------------------------
@@ -57,6 +60,9 @@ def _i32(values: list[int], device: torch.device) -> torch.Tensor:
 class StepAttention:
     """The per-layer attention callable of one eager step (see the module docstring)."""
 
+    # A fused layer hands over q and k unrotated, with the positions and the cos/sin table.
+    applies_rope = True
+
     def __init__(self, runner: ModelRunner, *, append_rows, append_positions, kv_indptr, kv_indices,
                  kv_last_page_len, num_prefill_rows: int, num_prefill_pages: int, num_prefill_tokens: int,
                  prefill_qo_indptr, prefill_ragged: bool, decode: MultiLevelCascadeAttention | None):
@@ -71,11 +77,19 @@ class StepAttention:
         self.prefill_qo_indptr, self.prefill_ragged = prefill_qo_indptr, prefill_ragged
         self.decode = decode
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 positions: torch.Tensor | None = None, cos_sin: torch.Tensor | None = None) -> torch.Tensor:
+        """``o [T, Hq, D]``. With ``positions`` and ``cos_sin`` (a fused layer), q and k are
+        rotated here, in place, by the launch that appends K/V; without, they come rotated."""
         cache = self.pool.layer(layer)
-        append_paged_kv_cache(k, v, self.append_rows, self.append_positions, cache, self.kv_indices,
-                              self.kv_indptr, self.kv_last_page_len, kv_layout=self.kv_layout,
-                              validate=self.validate)
+        if positions is None:
+            append_paged_kv_cache(k, v, self.append_rows, self.append_positions, cache, self.kv_indices,
+                                  self.kv_indptr, self.kv_last_page_len, kv_layout=self.kv_layout,
+                                  validate=self.validate)
+        else:
+            append_paged_kv_cache_rope(q, k, v, self.append_rows, self.append_positions, cache, self.kv_indices,
+                                       self.kv_indptr, self.kv_last_page_len, positions, cos_sin,
+                                       kv_layout=self.kv_layout, validate=self.validate)
         out = torch.empty_like(q)
         p, rows = self.num_prefill_tokens, self.num_prefill_rows
         if p and self.prefill_ragged:
@@ -378,12 +392,19 @@ class DecodeGraphs:
         rows, positions = self.append_rows[:batch], self.append_positions[:batch]
         table = attn.level_table(-1)  # where the new token's page is found
 
-        def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      rope_positions: torch.Tensor | None = None, cos_sin: torch.Tensor | None = None) -> torch.Tensor:
             cache = pool.layer(layer)
-            append_paged_kv_cache(k, v, rows, positions, cache, table.kv_indices, table.kv_indptr,
-                                  table.kv_last_page_len, kv_layout=layout, validate=False)
+            if rope_positions is None:  # an unfused layer: q and k come rotated
+                append_paged_kv_cache(k, v, rows, positions, cache, table.kv_indices, table.kv_indptr,
+                                      table.kv_last_page_len, kv_layout=layout, validate=False)
+            else:  # the token's own position rotates it; ``positions`` place it in the last level's table
+                append_paged_kv_cache_rope(q, k, v, rows, positions, cache, table.kv_indices, table.kv_indptr,
+                                           table.kv_last_page_len, rope_positions, cos_sin, kv_layout=layout,
+                                           validate=False)
             return attn.run(q, cache, sm_scale=scale)
 
+        attention.applies_rope = True  # see StepAttention
         return self.model(self.input_ids[:batch], self.positions[:batch], attention, None, out=self.logits[:batch])
 
     def _capture(self, batch: int, attn: MultiLevelCascadeAttention) -> torch.cuda.CUDAGraph:

@@ -22,9 +22,11 @@ from cascadeinfer.kernels.prefill import (
     batch_prefill_ragged,
     shared_prefix_attention,
 )
+from cascadeinfer.kernels.rope_append import append_paged_kv_cache_rope
 
 __all__ = [
     "append_paged_kv_cache",
+    "append_paged_kv_cache_rope",
     "batch_decode_paged",
     "batch_prefill_paged",
     "batch_prefill_ragged",

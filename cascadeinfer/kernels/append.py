@@ -41,6 +41,23 @@ from cascadeinfer.layouts.paged_cache import (
 
 
 @triton.jit
+def _slot_offset(
+    row,  # page-table row of the token (>= 0)
+    pos,  # the token's position in that row's sequence
+    kv_indices_ptr,  # [nnz_pages] int32
+    kv_indptr_ptr,  # [batch + 1] int32
+    page_size,
+    stride_page,
+    stride_slot,
+):
+    """int64 element offset of the token's slot (head 0, dim 0) in either cache tensor."""
+    page_start = tl.load(kv_indptr_ptr + row)
+    page = tl.load(kv_indices_ptr + page_start + pos // page_size).to(tl.int64)
+    slot = (pos % page_size).to(tl.int64)
+    return page * stride_page + slot * stride_slot
+
+
+@triton.jit
 def _append_paged_kv_kernel(
     key_ptr,  # [nnz, num_kv_heads, head_dim]
     value_ptr,  # [nnz, num_kv_heads, head_dim]
@@ -68,9 +85,7 @@ def _append_paged_kv_kernel(
     row = tl.load(batch_indices_ptr + tok)
     if row >= 0:
         pos = tl.load(positions_ptr + tok)
-        page_start = tl.load(kv_indptr_ptr + row)
-        page = tl.load(kv_indices_ptr + page_start + pos // page_size).to(tl.int64)
-        slot = (pos % page_size).to(tl.int64)
+        slot = _slot_offset(row, pos, kv_indices_ptr, kv_indptr_ptr, page_size, stride_page, stride_slot)
 
         heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
         dims = tl.arange(0, BLOCK_D)
@@ -79,7 +94,7 @@ def _append_paged_kv_kernel(
         tok64 = tok.to(tl.int64)
         src_k = key_ptr + tok64 * stride_key_tok + heads64 * stride_key_head + dims[None, :]
         src_v = value_ptr + tok64 * stride_value_tok + heads64 * stride_value_head + dims[None, :]
-        dst = page * stride_page + slot * stride_slot + heads64 * stride_head + dims[None, :]
+        dst = slot + heads64 * stride_head + dims[None, :]
         # A plain copy: no arithmetic, so no float32 upcast; the bits move unchanged
         # (exact for fp16, bf16 and fp32 alike, on the GPU and in the interpreter).
         tl.store(k_cache_ptr + dst, tl.load(src_k, mask=mask), mask=mask)

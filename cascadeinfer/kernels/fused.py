@@ -126,6 +126,23 @@ def _silu_and_mul_kernel(
 
 
 @triton.jit
+def _cos_sin_row(
+    cs_ptr,  # [max_positions, D]: cos in [:, :D/2], sin in [:, D/2:]
+    pos_ptr,  # pointer to one token's position (int32/int64)
+    stride_cs,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    """``(cos, sin)`` of one token's position, float32 ``[BLOCK_HALF]`` (0 past ``HALF``)."""
+    pos = tl.load(pos_ptr).to(tl.int64)
+    d = tl.arange(0, BLOCK_HALF)
+    cs_row = cs_ptr + pos * stride_cs
+    cos = tl.load(cs_row + d, mask=d < HALF, other=0.0).to(tl.float32)
+    sin = tl.load(cs_row + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
+    return cos, sin
+
+
+@triton.jit
 def _rotate_heads(
     base,  # pointer to head 0 of one token: [num_heads, D]
     stride_h,
@@ -138,6 +155,9 @@ def _rotate_heads(
     BLOCK_HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
+    """Rotate heads ``[first, first + count)`` of one token in place. Returns
+    ``(heads [BLOCK_H], ok [BLOCK_H, BLOCK_HALF], lo, hi)``: the rotated halves as stored
+    (in the tensor's dtype), for a caller that writes them elsewhere too (the K/V append)."""
     i = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_HALF)
     heads = first + i
@@ -151,10 +171,11 @@ def _rotate_heads(
     # x * cos + rotate_half(x) * sin with rotate_half(x) = (-x2, x1); every product is
     # rounded to the activation dtype as in HF, then the sum. Both halves are loaded
     # before either is stored, so the rotation is safe in place.
-    new_lo = (x1 * c).to(dtype).to(tl.float32) - (x2 * s).to(dtype).to(tl.float32)
-    new_hi = (x2 * c).to(dtype).to(tl.float32) + (x1 * s).to(dtype).to(tl.float32)
-    tl.store(lo, new_lo.to(dtype), mask=ok)
-    tl.store(lo + HALF, new_hi.to(dtype), mask=ok)
+    new_lo = ((x1 * c).to(dtype).to(tl.float32) - (x2 * s).to(dtype).to(tl.float32)).to(dtype)
+    new_hi = ((x2 * c).to(dtype).to(tl.float32) + (x1 * s).to(dtype).to(tl.float32)).to(dtype)
+    tl.store(lo, new_lo, mask=ok)
+    tl.store(lo + HALF, new_hi, mask=ok)
+    return heads, ok, new_lo, new_hi
 
 
 @triton.jit
@@ -182,11 +203,7 @@ def _rope_kernel(
     token's cos/sin row is read once for all of them."""
     t = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
-    pos = tl.load(pos_ptr + t * stride_pos).to(tl.int64)
-    d = tl.arange(0, BLOCK_HALF)
-    cs_row = cs_ptr + pos * stride_cs
-    cos = tl.load(cs_row + d, mask=d < HALF, other=0.0).to(tl.float32)
-    sin = tl.load(cs_row + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
+    cos, sin = _cos_sin_row(cs_ptr, pos_ptr + t * stride_pos, stride_cs, HALF, BLOCK_HALF)
     _rotate_heads(q_ptr + t * stride_q_t, stride_q_h, split * q_heads_per_program, q_heads_per_program,
                   num_q_heads, cos, sin, HALF, BLOCK_HALF, BLOCK_HQ)
     _rotate_heads(k_ptr + t * stride_k_t, stride_k_h, split * k_heads_per_program, k_heads_per_program,
@@ -223,6 +240,45 @@ def _check_weight(weight: object, x: torch.Tensor) -> torch.Tensor:
 def _check_hidden(x: torch.Tensor) -> None:
     if x.shape[1] > MAX_HIDDEN:
         raise ValueError(f"x: hidden size {x.shape[1]} exceeds the {MAX_HIDDEN} one program holds")
+
+
+def _check_rope_args(q: object, k: object, positions: object, cos_sin_cache: object, *,
+                     k_name: str = "k", positions_name: str = "positions") -> None:
+    """What the rotation kernel assumes of its tensors (see :func:`apply_rope`); the
+    K/V-append launcher names its key and rotation positions differently."""
+    _check_rows("q", q, 3)
+    tokens, _, head_dim = q.shape
+    if head_dim % 2:
+        raise ValueError(f"q: expected an even head_dim, got shape {list(q.shape)}")
+    _check_rows(k_name, k, 3, dtype=q.dtype, device=q.device, shape=(tokens, None, head_dim))
+    check_tensor(positions_name, positions, ndim=1, dtypes=(torch.int32, torch.int64), device=q.device,
+                 shape=(tokens,))
+    _check_rows("cos_sin_cache", cos_sin_cache, 2, device=q.device, shape=(None, head_dim))
+    if q.numel() and k.numel() and q.data_ptr() == k.data_ptr():
+        raise ValueError(f"{k_name}: overlaps q in memory; they must be separate tensors or disjoint views")
+
+
+def _check_positions_in_table(positions: torch.Tensor, cos_sin_cache: torch.Tensor, name: str = "positions") -> None:
+    """Every position has a row in the cos/sin table (a host read: never while capturing)."""
+    if positions.numel() == 0:
+        return
+    lo, hi = int(positions.min()), int(positions.max())
+    if lo < 0 or hi >= cos_sin_cache.shape[0]:
+        raise ValueError(f"{name}: expected values in [0, {cos_sin_cache.shape[0]}), got [{lo}, {hi}]")
+
+
+def _rope_launch_plan(tokens: int, num_q_heads: int, num_k_heads: int, head_dim: int,
+                     device: torch.device) -> tuple[int, int, int, dict]:
+    """``(splits, q_heads_per_program, k_heads_per_program, constexprs)`` of a rotation
+    launch over grid ``(tokens, splits)``, from shapes only: the RoPE kernel's and the
+    rotating K/V append's (:mod:`cascadeinfer.kernels.rope_append`), which share the
+    head split so that they rotate alike."""
+    splits = policy.rope_splits(tokens, max(1, num_k_heads), device)
+    q_per, k_per = triton.cdiv(num_q_heads, splits), triton.cdiv(num_k_heads, splits)
+    half = head_dim // 2
+    meta = dict(HALF=half, BLOCK_HALF=next_power_of_2(half), BLOCK_HQ=next_power_of_2(max(1, q_per)),
+                BLOCK_HK=next_power_of_2(max(1, k_per)))
+    return splits, q_per, k_per, meta
 
 
 def _num_warps(block: int) -> int:
@@ -356,33 +412,20 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_si
         validate: check that every position lies in the cache (a host sync; never while
             a CUDA graph is being captured). Shapes, dtypes and devices are always checked.
     """
-    _check_rows("q", q, 3)
+    _check_rope_args(q, k, positions, cos_sin_cache)
     tokens, num_q_heads, head_dim = q.shape
-    if head_dim % 2:
-        raise ValueError(f"q: expected an even head_dim, got shape {list(q.shape)}")
-    _check_rows("k", k, 3, dtype=q.dtype, device=q.device, shape=(tokens, None, head_dim))
-    check_tensor("positions", positions, ndim=1, dtypes=(torch.int32, torch.int64), device=q.device,
-                 shape=(tokens,))
-    _check_rows("cos_sin_cache", cos_sin_cache, 2, device=q.device, shape=(None, head_dim))
-    if q.numel() and k.numel() and q.data_ptr() == k.data_ptr():
-        raise ValueError("k: overlaps q in memory; they must be separate tensors or disjoint views")
     if tokens == 0:
         return
     if validate and not capturing():
-        lo, hi = int(positions.min()), int(positions.max())
-        if lo < 0 or hi >= cos_sin_cache.shape[0]:
-            raise ValueError(f"positions: expected values in [0, {cos_sin_cache.shape[0]}), got [{lo}, {hi}]")
+        _check_positions_in_table(positions, cos_sin_cache)
     if not use_triton(q.device):
         q_rot, k_rot = apply_rope_ref(q, k, positions, cos_sin_cache)
         q.copy_(q_rot)
         k.copy_(k_rot)
         return
     num_k_heads = k.shape[1]
-    splits = policy.rope_splits(tokens, max(1, num_k_heads), q.device)
-    q_per, k_per = triton.cdiv(num_q_heads, splits), triton.cdiv(num_k_heads, splits)
-    half = head_dim // 2
+    splits, q_per, k_per, meta = _rope_launch_plan(tokens, num_q_heads, num_k_heads, head_dim, q.device)
     _rope_kernel[(tokens, splits)](
         q, k, positions, cos_sin_cache, num_q_heads, num_k_heads, q_per, k_per,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), positions.stride(0), cos_sin_cache.stride(0),
-        HALF=half, BLOCK_HALF=next_power_of_2(half), BLOCK_HQ=next_power_of_2(max(1, q_per)),
-        BLOCK_HK=next_power_of_2(max(1, k_per)), num_warps=4, **_EXACT)
+        **meta, num_warps=4, **_EXACT)
