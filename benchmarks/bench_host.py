@@ -9,8 +9,8 @@ Run from the repository root on a GPU machine:
 ``time.perf_counter_ns`` while the GPU is kept busy (a ``torch.cuda._sleep`` enqueued
 before each batch of calls, long enough that no launch waits on the device), median over
 ``--calls`` calls (1000 by default), after a warm-up that compiles and records. Each row
-is timed in ``--rounds`` rounds (3) that each time every row once; the table gives the
-median of the rounds' medians, the JSON every round. It is measured in
+is timed in ``--rounds`` rounds (3), each of which times every row of every shape once;
+the table gives the median of the rounds' medians, the JSON every round. It is measured in
 ``torch.inference_mode()`` and outside it. Rows (bf16, Hq 32, Hkv 8, D 128,
 page 16, two levels: one prefix group + each request's suffix):
 
@@ -110,10 +110,8 @@ def _three_levels(wl: Workload) -> MultiLevelCascadeAttention:
     return attn
 
 
-def host_rows(shape: Shape, fi, calls: int, device: torch.device, rounds: int = 3) -> list[dict]:
-    """Every host-cost row of one shape, in and out of inference mode: the median of
-    ``rounds`` medians, each round timing every row once (so that a few seconds of a
-    slower host weigh on one round of every row, not on all of one row)."""
+def host_calls(shape: Shape, fi, device: torch.device) -> dict[str, Callable[[], object]]:
+    """Every host-cost row's call at one shape (the workload lives as long as they do)."""
     wl = Workload(shape, device, seed=7, min_pool_bytes=MIN_POOL_BYTES, max_rot=1)
     s = wl.shape
     q, pool = wl.qs[0], wl.pools[0]
@@ -158,19 +156,30 @@ def host_rows(shape: Shape, fi, calls: int, device: torch.device, rounds: int = 
         w.plan(wl.flat_indptr, wl.flat_indices, wl.flat_last, s.hq, s.hkv, s.head_dim, PAGE,
                q_data_type=DTYPE, kv_data_type=DTYPE)
         calls_by_name["FlashInfer decode run (tensor cores)"] = lambda: w.run(q, pool, out=out)
-    samples: dict[tuple[str, str], list[float]] = {}
-    for _ in range(rounds):
-        for name, fn in calls_by_name.items():
-            for mode in ("inference", "grad"):
-                with torch.inference_mode() if mode == "inference" else contextlib.nullcontext():
-                    samples.setdefault((name, mode), []).append(host_us(fn, calls, device))
+    return calls_by_name
+
+
+def host_rows(shapes, fi, calls: int, device: torch.device, rounds: int = 3) -> list[dict]:
+    """Every host-cost row of every shape, in and out of inference mode: the median of
+    ``rounds`` medians, each round timing every row of every shape once (so that a slower
+    spell of the host weighs on one round of many rows, not on every round of a few)."""
+    by_shape = {shape: host_calls(Shape(*shape), fi, device) for shape in shapes}
+    samples: dict[tuple, list[float]] = {}
+    for r in range(rounds):
+        for shape, calls_by_name in by_shape.items():
+            for name, fn in calls_by_name.items():
+                for mode in ("inference", "grad"):
+                    with torch.inference_mode() if mode == "inference" else contextlib.nullcontext():
+                        samples.setdefault((shape, name, mode), []).append(host_us(fn, calls, device))
+        print(f"# host cost round {r + 1} of {rounds} done", flush=True)
     rows = []
-    for name in calls_by_name:
-        row = dict(call=name, batch=s.batch, prefix=s.prefix, suffix=s.suffix)
-        for mode in ("inference", "grad"):
-            row[f"{mode}_us"] = statistics.median(samples[name, mode])
-            row[f"{mode}_rounds_us"] = [round(x, 2) for x in samples[name, mode]]
-        rows.append(row)
+    for shape, calls_by_name in by_shape.items():
+        for name in calls_by_name:
+            row = dict(call=name, batch=shape[0], prefix=shape[1], suffix=shape[2])
+            for mode in ("inference", "grad"):
+                row[f"{mode}_us"] = statistics.median(samples[shape, name, mode])
+                row[f"{mode}_rounds_us"] = [round(x, 2) for x in samples[shape, name, mode]]
+            rows.append(row)
     return rows
 
 
@@ -238,10 +247,7 @@ def main() -> None:
     fi = load_flashinfer()
     env = environment()
     print(f"# {env}", flush=True)
-    host = []
-    for shape in HOST_SHAPES:
-        host += host_rows(Shape(*shape), fi, args.calls, device, args.rounds)
-        print(f"# host cost rows done for {shape}", flush=True)
+    host = host_rows(HOST_SHAPES, fi, args.calls, device, args.rounds)
     host.append(plan_row(fi, args.calls, device))
     print(f"\n## Host cost per call (µs of CPU, median of {args.rounds} rounds' medians)\n")
     print(markdown_table(host, ["call", "batch", "prefix", "suffix", "inference_us", "grad_us"]))

@@ -325,8 +325,8 @@ def test_find_takes_the_guarded_path_for_a_recent_signature(monkeypatch):
     cache = launch_mod.LaunchCache()
     a = torch.zeros(4, 8)
     rec = launch_mod.Recording(keep_scratch=False)
-    rec_none, key = cache.find((a,), ("x",))
-    assert rec_none is None
+    rec_none, key, ptrs = cache.find((a,), ("x",))
+    assert rec_none is None and ptrs == [a.data_ptr()]
     cache.put(key, rec)
     assert cache.find((torch.ones(4, 8),), ("x",))[0] is rec  # found by key, remembered
     monkeypatch.setattr(launch_mod, "_signature", lambda *a: (_ for _ in ()).throw(AssertionError("keyed")))

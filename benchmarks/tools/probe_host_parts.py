@@ -38,8 +38,8 @@ def parts(shape: Shape, calls: int, device: torch.device) -> list[dict]:
     batch_decode_paged(*args, out=out, lse=lse, validate=False)
     tensors = (q, pool, wl.flat_indptr, wl.flat_indices, wl.flat_last)
     options = (1, True, True, "NHD", None, None, None)
-    rec, _ = decode_mod._LAUNCHES.find(tensors, options, lengthless=(3,))
-    rec, _ = decode_mod._LAUNCHES.find(tensors, options, lengthless=(3,))
+    rec, _, _ = decode_mod._LAUNCHES.find(tensors, options, lengthless=(3,))
+    rec, _, _ = decode_mod._LAUNCHES.find(tensors, options, lengthless=(3,))
     assert rec is not None, "the decode call was not recorded"
     roots = (*tensors, out, lse)
     idx = device.index

@@ -563,7 +563,7 @@ class MultiLevelCascadeAttention:
         if torch.compiler.is_compiling():
             return self._run_traced(q, paged_kv_cache, out, lse, return_lse, sm_scale)
         cache = cache_tensors(paged_kv_cache)
-        launches, key = self._launches.find((q, *cache, *given(out, lse)),
+        launches, key, ptrs = self._launches.find((q, *cache, *given(out, lse)),
                                             (len(cache), out is None, lse is None, sm_scale))
         if launches is None:
             self._check_run(q, paged_kv_cache, out, lse)
@@ -576,7 +576,7 @@ class MultiLevelCascadeAttention:
         if lse is None:
             # An LSE nobody reads goes to the recording's own buffer (runs are ordered).
             lse = launches.upper.fresh(len(cache) + 2) if return_lse else launches.lse
-        launches.replay((q, *cache, out, lse))
+        launches.replay((q, *cache, out, lse), ptrs[:1 + len(cache)])
         return (out, lse) if return_lse else out
 
     def _check_run(self, q, paged_kv_cache, out, lse) -> None:
@@ -676,25 +676,28 @@ class _Launches:
             self._side_raw = side.cuda_stream
             self._main, self._main_raw = None, None
 
-    def replay(self, roots) -> None:
+    def replay(self, roots, known: list[int]) -> None:
+        """Every recording on ``roots``; ``known``: the first roots' addresses (from
+        find), the rest read here, once for all the recordings."""
+        known = [*known, *(t.data_ptr() for t in roots[len(known):])]
         if self.last is None:
-            self.upper.replay(roots)
+            self.upper.replay(roots, known=known)
             return
         if self.side is None:
-            self.upper.replay(roots)
-            self.last.replay(roots)
-            self.merge.replay(roots)
+            self.upper.replay(roots, known=known)
+            self.last.replay(roots, known=known)
+            self.merge.replay(roots, known=known)
             return
         # The side stream starts after what the caller enqueued before (q, the cache),
         # and the merge after both streams' levels, as in the recorded run.
         main = self._current_stream(roots[0])
         self._fork.record(main)
         self.side.wait_event(self._fork)
-        self.upper.replay(roots, self._main_raw)
-        self.last.replay(roots, self._side_raw)
+        self.upper.replay(roots, self._main_raw, known)
+        self.last.replay(roots, self._side_raw, known)
         self._join.record(self.side)
         main.wait_event(self._join)
-        self.merge.replay(roots, self._main_raw)
+        self.merge.replay(roots, self._main_raw, known)
 
     def _current_stream(self, t: torch.Tensor) -> torch.cuda.Stream:
         """The caller's current stream, as an object (torch.cuda.current_stream costs

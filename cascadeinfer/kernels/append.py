@@ -216,12 +216,12 @@ def append_paged_kv_cache(
     """
     cache = cache_tensors(paged_kv_cache)
     roots = (append_key, append_value, batch_indices, positions, *cache, kv_indices, kv_indptr, kv_last_page_len)
-    rec, key = _LAUNCHES.find(roots, (len(cache), kv_layout), lengthless=(4 + len(cache),))
+    rec, key, ptrs = _LAUNCHES.find(roots, (len(cache), kv_layout), lengthless=(4 + len(cache),))
     if rec is not None:  # a call of this signature passed every shape check already
         if validate and not capturing():
             _check_contents(unpack_paged_kv_cache(paged_kv_cache, kv_layout), batch_indices, positions,
                             kv_indices, kv_indptr, kv_last_page_len)
-        rec.replay(roots)
+        rec.replay(roots, known=ptrs)
         return
     kv = _check_append_args(append_key, append_value, batch_indices, positions, paged_kv_cache,
                             kv_indices, kv_indptr, kv_last_page_len, kv_layout, validate)

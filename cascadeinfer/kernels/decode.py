@@ -329,7 +329,7 @@ def batch_decode_paged(
     ``validate=False`` the hot path an engine takes.
     """
     cache = cache_tensors(paged_kv_cache)
-    rec, key = _LAUNCHES.find(
+    rec, key, ptrs = _LAUNCHES.find(
         (q, *cache, kv_indptr, kv_indices, kv_last_page_len, *given(out, lse)),
         (len(cache), out is None, lse is None, kv_layout, sm_scale, num_splits, schedule),
         lengthless=(len(cache) + 2,))
@@ -343,7 +343,7 @@ def batch_decode_paged(
     out, lse = rec.outputs(out, lse, len(cache) + 4)
     if validate and not capturing():
         _check_page_table(unpack_paged_kv_cache(paged_kv_cache, kv_layout), kv_indptr, kv_indices, kv_last_page_len)
-    rec.replay((q, *cache, kv_indptr, kv_indices, kv_last_page_len, out, lse))
+    rec.replay((q, *cache, kv_indptr, kv_indices, kv_last_page_len, out, lse), known=ptrs[:len(cache) + 4])
     return out, lse
 
 

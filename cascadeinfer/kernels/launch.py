@@ -134,23 +134,26 @@ class Recording:
         roots ``index`` and ``index + 1``."""
         return (self.fresh(index) if out is None else out, self.fresh(index + 1) if lse is None else lse)
 
-    def replay(self, roots: Sequence[torch.Tensor], stream: int | None = None) -> None:
+    def replay(self, roots: Sequence[torch.Tensor], stream: int | None = None, known: Sequence[int] = ()) -> None:
         """Launch the recorded kernels on ``roots`` (same signature as when recorded),
-        on ``stream`` (a raw CUDA stream handle; default: the current stream)."""
+        on ``stream`` (a raw CUDA stream handle; default: the current stream).
+        ``known``: the addresses of the first ``len(known)`` roots, where the caller has
+        them already (:meth:`LaunchCache.find` returns them)."""
         if not self.launches:
             return
         device_index = roots[0].get_device()  # -1: a CPU tensor (the interpreter)
         if device_index >= 0:
-            self._replay_cuda(roots, device_index, stream)
+            ptrs = [*known, *(t.data_ptr() for t in roots[len(known):])] if known else [t.data_ptr() for t in roots]
+            self._replay_cuda(roots, ptrs, device_index, stream)
         else:
             self._replay_interpreted(roots)
 
-    def _replay_cuda(self, roots, device_index: int, stream: int | None) -> None:
+    def _replay_cuda(self, roots, ptrs: list[int], device_index: int, stream: int | None) -> None:
         current = torch._C._cuda_getCurrentRawStream(device_index)
         if stream is None:
             stream = current
         if self.keep_scratch or not (self.scratch_bytes or self.counter_bytes):
-            self._launch_cuda(roots, stream, 0, 0)  # kept scratch and counters sit in the argument lists
+            self._launch_cuda(ptrs, stream, 0, 0)  # kept scratch and counters sit in the argument lists
             return
         capturing = torch._C._cuda_isCurrentStreamCapturing()
         zeroed = None  # a graph's own counters, alive until its launches are captured
@@ -167,37 +170,36 @@ class Recording:
                 counts = block.data_ptr()
                 self._kept_counts = (stream, block, counts)
         if not self.scratch_bytes:
-            self._launch_cuda(roots, stream, 0, counts)
+            self._launch_cuda(ptrs, stream, 0, counts)
             return
         kept = self._kept_scratch
         if kept is not None and kept[0] == stream and not capturing:
             # This stream's last replay used this block: its kernels run before ours.
-            self._launch_cuda(roots, stream, kept[1].data_ptr(), counts)
+            self._launch_cuda(ptrs, stream, kept[1].data_ptr(), counts)
             return
         if device_index != torch._C._cuda_getDevice():  # the raw allocator serves the current device
             scratch = torch.empty(self.scratch_bytes, dtype=torch.uint8, device=roots[0].device)
-            self._launch_cuda(roots, stream, scratch.data_ptr(), counts)
+            self._launch_cuda(ptrs, stream, scratch.data_ptr(), counts)
             return
         if kept is None and stream == current and self.scratch_bytes <= _KEEP_SCRATCH_BYTES and not capturing:
             # A small block, allocated on the stream that uses it, kept for its next replays.
             block = torch.empty(self.scratch_bytes, dtype=torch.uint8, device=roots[0].device)
             self._kept_scratch = (stream, block)
-            self._launch_cuda(roots, stream, block.data_ptr(), counts)
+            self._launch_cuda(ptrs, stream, block.data_ptr(), counts)
             return
         # The scratch is taken from PyTorch's caching allocator on this stream and given
         # back once the kernels are enqueued, as a temporary tensor would be (stream-ordered
         # reuse; inside a graph capture, from the graph's pool), without a tensor object.
         base = _raw_alloc(self.scratch_bytes, stream)
         try:
-            self._launch_cuda(roots, stream, base, counts)
+            self._launch_cuda(ptrs, stream, base, counts)
         finally:
             _raw_free(base)
 
-    def _launch_cuda(self, roots, stream: int, base: int, counts: int) -> None:
-        ptrs = [t.data_ptr() for t in roots]
+    def _launch_cuda(self, ptrs: list[int], stream: int, base: int, counts: int) -> None:
         hooked = bool(knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls)
         if not hooked:
-            direct = self._direct if self._direct is not None else self._prepare_direct(len(roots))
+            direct = self._direct if self._direct is not None else self._prepare_direct(len(ptrs))
             # False: this thread has no current CUDA context yet; Triton's launcher below makes it.
             if direct and direct_launch.module().run(direct, (*ptrs, base, counts), stream):
                 return
@@ -502,14 +504,6 @@ def given(a: torch.Tensor | None, b: torch.Tensor | None = None) -> tuple[torch.
     return (a,) if b is None else (a, b)
 
 
-def _aligned(tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether every tensor starts on a 16-byte boundary (what Triton specialises on)."""
-    bits = 0
-    for t in tensors:
-        bits |= t.data_ptr()
-    return not bits & 15
-
-
 def _signature(tensors: Sequence[torch.Tensor], options: tuple, lengthless: tuple[int, ...]) -> Hashable:
     """:func:`call_key` of ``(*tensors, *options)``, with the tensors at ``lengthless``
     keyed by their rank instead of their shape."""
@@ -553,7 +547,7 @@ class LaunchCache:
         self._num_recent = recent if _TensorGuards is not None else 0
 
     def find(self, tensors: Sequence[torch.Tensor], options: tuple = (), *,
-             lengthless: tuple[int, ...] = ()) -> tuple[Recording | None, Hashable]:
+             lengthless: tuple[int, ...] = ()) -> tuple[Recording | None, Hashable, list[int]]:
         """The recording for a call whose tensor arguments are ``tensors`` (every one,
         tuples flattened, in a fixed order) and whose other arguments are ``options``
         (hashable; they must also tell apart calls whose tensors differ in number or
@@ -561,25 +555,35 @@ class LaunchCache:
         length the launcher's host work never reads (a page list read only by the
         kernels), so a call with another length replays the same recording.
 
-        Returns ``(recording or None, key)``: on a miss, ``key`` is what to record the
-        call under (:func:`recorded`); None while another recording is in progress.
+        Returns ``(recording or None, key, addresses)``: on a miss, ``key`` is what to
+        record the call under (:func:`recorded`), None while another recording is in
+        progress; ``addresses`` are the tensors' data pointers, read once for the alignment
+        check and handed on to :meth:`Recording.replay` (``known``).
         """
         if _RECORDING.get() is not None:
-            return None, None
-        for entry in self._recent:
-            if (entry.options == options and entry.count == len(tensors) and entry.guards.check(*tensors)
-                    and _aligned(tensors)):
-                return entry.rec, None
+            return None, None, []
+        try:
+            ptrs = [t.data_ptr() for t in tensors]
+        except AttributeError:  # not a tensor: never recorded; the launcher's checks name it
+            return None, None, []
+        bits = 0
+        for p in ptrs:
+            bits |= p
+        aligned = not bits & 15  # every tensor on a 16-byte boundary, as Triton specialises
+        if aligned:
+            for entry in self._recent:
+                if entry.options == options and entry.count == len(tensors) and entry.guards.check(*tensors):
+                    return entry.rec, None, ptrs
         key = _signature(tensors, options, lengthless)
         rec = self.get(key)
-        if rec is not None and self._num_recent and _aligned(tensors):
+        if rec is not None and self._num_recent and aligned:
             sizes = [list(t.shape) for t in tensors]
             for i in lengthless:
                 sizes[i] = [None]
             guards = _TensorGuards(*tensors, dynamic_dims_sizes=sizes,
                                    dynamic_dims_strides=[list(t.stride()) for t in tensors])
             self._recent = [_Recent(options, len(tensors), guards, rec), *self._recent[:self._num_recent - 1]]
-        return rec, key
+        return rec, key, ptrs
 
     def get(self, key: Hashable) -> Recording | None:
         """The recording for ``key``; None when there is none, or while another

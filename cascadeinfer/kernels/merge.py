@@ -263,7 +263,7 @@ def merge_state(
         the union. Two empties give ``(0, -inf)``. An LSE of ``+inf`` or NaN gives
         ``(NaN, NaN)`` in that (row, head) only (see the module docstring).
     """
-    rec, key = _MERGE_STATE.find((v_a, s_a, v_b, s_b, *given(out, out_lse)), (out is None, out_lse is None))
+    rec, key, ptrs = _MERGE_STATE.find((v_a, s_a, v_b, s_b, *given(out, out_lse)), (out is None, out_lse is None))
     if rec is None:
         check_states(("v_a", "s_a"), v_a, s_a, 3)
         check_states(("v_b", "s_b"), v_b, s_b, 3, shape=v_a.shape, dtype=v_a.dtype, device=v_a.device)
@@ -276,7 +276,7 @@ def merge_state(
                        (("v_a", v_a), ("s_a", s_a), ("v_b", v_b), ("s_b", s_b)))
     roots = (v_a, s_a, v_b, s_b, out, out_lse)
     if rec is not None:
-        rec.replay(roots)
+        rec.replay(roots, known=ptrs[:4])
         return out, out_lse
     with recorded(_MERGE_STATE, key, roots):
         _merge_two(v_a, s_a, v_b, s_b, out, out_lse, None)
@@ -304,7 +304,7 @@ def merge_state_in_place(
 
     LSE conventions as in :func:`merge_state`.
     """
-    rec, key = _MERGE_IN_PLACE.find((v, s, v_other, s_other, *given(mask)), (mask is None,))
+    rec, key, ptrs = _MERGE_IN_PLACE.find((v, s, v_other, s_other, *given(mask)), (mask is None,))
     if rec is None:
         check_states(("v", "s"), v, s, 3)
         n, num_heads, head_dim = v.shape
@@ -317,7 +317,7 @@ def merge_state_in_place(
         check_aliasing((("v", v), ("s", s)), (("v_other", v_other), ("s_other", s_other)))
     roots = (v, s, v_other, s_other) + (() if mask is None else (mask,))
     if rec is not None:
-        rec.replay(roots)
+        rec.replay(roots, known=ptrs)
         return
     with recorded(_MERGE_IN_PLACE, key, roots):
         _merge_two(v, s, v_other, s_other, v, s, mask)

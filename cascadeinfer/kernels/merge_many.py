@@ -243,7 +243,7 @@ def merge_states(
         whose states are all empty (or ``num_states == 0``) gives ``(0, -inf)``; an LSE of
         ``+inf`` or NaN gives ``(NaN, NaN)`` in that (row, head) only.
     """
-    rec, key = _MERGE_STATES.find((v, s, *given(out, out_lse)), (out is None, out_lse is None))
+    rec, key, ptrs = _MERGE_STATES.find((v, s, *given(out, out_lse)), (out is None, out_lse is None))
     if rec is None:
         check_states(("v", "s"), v, s, 4)
         shape = (v.shape[0], *v.shape[2:])
@@ -254,7 +254,7 @@ def merge_states(
     if validate or rec is None:
         check_aliasing((("out", out), ("out_lse", out_lse)), (("v", v), ("s", s)), state_slices=True)
     if rec is not None:
-        rec.replay((v, s, out, out_lse))
+        rec.replay((v, s, out, out_lse), known=ptrs[:2])
         return out, out_lse
     if out.numel() == 0 and out_lse.numel() == 0:
         return out, out_lse
@@ -295,7 +295,7 @@ def merge_states_ragged(
         ``(v [n, H, D], s [n, H])``, LSE float32 natural log; a row with no states gives
         ``(0, -inf)``; an LSE of ``+inf`` or NaN gives ``(NaN, NaN)`` in that (row, head).
     """
-    rec, key = _MERGE_RAGGED.find((v, s, indptr, *given(out, out_lse)), (out is None, out_lse is None))
+    rec, key, ptrs = _MERGE_RAGGED.find((v, s, indptr, *given(out, out_lse)), (out is None, out_lse is None))
     if rec is None:
         check_states(("v", "s"), v, s, 3)
         check_int32_vector("indptr", indptr, v.device)
@@ -313,7 +313,7 @@ def merge_states_ragged(
         _check_indptr(indptr, v.shape[0])
     roots = (v, s, indptr, out, out_lse)
     if rec is not None:
-        rec.replay(roots)
+        rec.replay(roots, known=ptrs[:3])
         return out, out_lse
     if out.numel() == 0 and out_lse.numel() == 0:
         return out, out_lse

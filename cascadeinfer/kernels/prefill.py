@@ -351,7 +351,7 @@ def batch_prefill_paged(
     path (with ``validate=False``), so the call can be captured in a CUDA graph.
     """
     cache = cache_tensors(paged_kv_cache)
-    rec, key = _PAGED.find(
+    rec, key, ptrs = _PAGED.find(
         (q, qo_indptr, *cache, kv_indptr, kv_indices, kv_last_page_len, *given(out, lse)),
         (len(cache), out is None, lse is None, causal, kv_layout, sm_scale, num_splits),
         lengthless=(len(cache) + 3,))
@@ -360,7 +360,8 @@ def batch_prefill_paged(
         if validate and not capturing():
             _check_paged_contents(q, qo_indptr, unpack_paged_kv_cache(paged_kv_cache, kv_layout), kv_indptr,
                                   kv_indices, kv_last_page_len)
-        rec.replay((q, qo_indptr, *cache, kv_indptr, kv_indices, kv_last_page_len, out, lse))
+        rec.replay((q, qo_indptr, *cache, kv_indptr, kv_indices, kv_last_page_len, out, lse),
+                   known=ptrs[:len(cache) + 5])
         return out, lse
     _check_q(q)
     _check_flag("causal", causal)
@@ -444,7 +445,7 @@ def batch_prefill_ragged(
         ``(o, lse)``: ``o`` like ``q``; ``lse`` float32 ``[nnz_qo, num_qo_heads]``, natural
         log; ``(0, -inf)`` for a query that sees no key.
     """
-    rec, key = _RAGGED.find((q, qo_indptr, k, v, kv_indptr, *given(out, lse)),
+    rec, key, ptrs = _RAGGED.find((q, qo_indptr, k, v, kv_indptr, *given(out, lse)),
                             (out is None, lse is None, causal, sm_scale))
     if rec is None:
         _check_q(q)
@@ -461,7 +462,7 @@ def batch_prefill_ragged(
             raise ValueError(f"kv_indptr: last entry {kv_indptr[-1].item()} exceeds nnz_kv = {k.shape[0]} keys in k")
     roots = (q, qo_indptr, k, v, kv_indptr, out, lse)
     if rec is not None:
-        rec.replay(roots)
+        rec.replay(roots, known=ptrs[:5])
         return out, lse
     if not use_triton(q.device):
         o64, lse64 = batch_prefill_ragged_ref(q, qo_indptr, k, v, kv_indptr, causal=causal, sm_scale=scale)
@@ -493,10 +494,10 @@ def shared_prefix_attention(
 
     Reads no index tensor at all: the KV split count and the grid come from the shapes.
     """
-    rec, key = _SHARED.find((q, k, v, *given(out, lse)), (out is None, lse is None, sm_scale))
+    rec, key, ptrs = _SHARED.find((q, k, v, *given(out, lse)), (out is None, lse is None, sm_scale))
     if rec is not None:
         out, lse = rec.outputs(out, lse, 3)
-        rec.replay((q, k, v, out, lse))
+        rec.replay((q, k, v, out, lse), known=ptrs[:3])
         return out, lse
     _check_q(q)
     source = ragged_source(q, k, v, None)

@@ -210,12 +210,12 @@ def append_paged_kv_cache_rope(
     cache = _cache_roots(paged_kv_cache)
     roots = (q, append_key, append_value, batch_indices, positions, *cache, kv_indices, kv_indptr,
              kv_last_page_len, rope_positions, cos_sin_cache)
-    rec, key = _LAUNCHES.find(roots, (len(cache), kv_layout), lengthless=(5 + len(cache),))
+    rec, key, ptrs = _LAUNCHES.find(roots, (len(cache), kv_layout), lengthless=(5 + len(cache),))
     if rec is not None:  # a call of this signature passed every shape check already
         if validate and not capturing():
             _check_values(unpack_paged_kv_cache(paged_kv_cache, kv_layout), batch_indices, positions, kv_indices,
                           kv_indptr, kv_last_page_len, rope_positions, cos_sin_cache)
-        rec.replay(roots)
+        rec.replay(roots, known=ptrs)
         return
     kv = _check_args(q, append_key, append_value, batch_indices, positions, paged_kv_cache, kv_indices, kv_indptr,
                      kv_last_page_len, rope_positions, cos_sin_cache, kv_layout)
