@@ -69,52 +69,43 @@ def test_decode_replays_with_new_tensors(device, monkeypatch, num_splits):
     assert_state(o, lse, *decode_reference(q2, cache2, indptr, indices2, last))
 
 
-def _split_call(op, device, seed):
-    """A decode or a prefill call with three KV splits, its roots and its float64 answer."""
+def _split_call(device, seed):
+    """A decode call with three KV splits, its roots and its float64 answer."""
     indptr, indices, last = T([0, 3, 6, 8], device), T([0, 1, 2, 3, 4, 5, 6, 7], device), T([1, 4, 2], device)
     q, cache = decode_case(device, seed)
     out, lse = torch.full_like(q, float("nan")), torch.full(q.shape[:2], float("nan"), device=device)
-    if op == "decode":
-        def call():
-            return ci.batch_decode_paged(q, cache, indptr, indices, last, num_splits=3, out=out, lse=lse,
-                                         validate=False)
-        return call, (q, cache, out, lse), decode_reference(q, cache, indptr, indices, last)
-    qo = T([0, 1, 2, 3], device)  # one query per group: the decode's rows, through the prefill kernel
 
     def call():
-        return ci.batch_prefill_paged(q, qo, cache, indptr, indices, last, num_splits=3, out=out, lse=lse,
-                                      validate=False)
+        return ci.batch_decode_paged(q, cache, indptr, indices, last, num_splits=3, out=out, lse=lse, validate=False)
     return call, (q, cache, out, lse), decode_reference(q, cache, indptr, indices, last)
 
 
-@pytest.mark.parametrize("op", ["decode", "prefill"])
-def test_split_kv_is_one_launch_that_leaves_its_counters_zero(device, op):
-    """With KV splits the last split of each row merges them in the same kernel: the
-    call is one launch, and its arrival counters are zero again when it ends, so the
-    next launch on them (a replay, here on the counters the recording keeps) needs no
-    memset."""
-    call, roots, ref = _split_call(op, device, 0)
+def test_split_kv_is_one_launch_that_leaves_its_counters_zero(device):
+    """With KV splits, an eager decode's last split of each row merges them in the same
+    kernel: the call is one launch, and its arrival counters are zero again when it
+    ends, so the next launch on them (a replay, here on the counters the recording
+    keeps) needs no memset."""
+    call, roots, ref = _split_call(device, 0)
     with launch_mod.recording(roots, keep_scratch=True) as rec:
         o, lse = call()
     assert len(rec.launches) == 1 and len(rec._counters) == 1
     assert rec._counters[0].numel() and not rec._counters[0].any()
     assert_state(o, lse, *ref)
     for seed in (1, 2):
-        _, new_roots, new_ref = _split_call(op, device, seed)
+        _, new_roots, new_ref = _split_call(device, seed)
         rec.replay(new_roots)
         assert not rec._counters[0].any()
         assert_state(new_roots[2], new_roots[3], *new_ref)
 
 
-@pytest.mark.parametrize("op", ["decode", "prefill"])
-def test_splits_too_many_bytes_for_one_program_go_to_a_merge_kernel(device, monkeypatch, op):
-    """Past the policy's bytes per program, the splits' states are merged by
-    merge_states' kernel after the attention kernel: two launches, the same answer."""
+def test_splits_too_many_bytes_for_one_program_go_to_a_merge_kernel(device, monkeypatch):
+    """Past the policy's bytes per program (and in CUDA-graph capture), the splits'
+    states are merged by merge_states' kernel after the decode kernel: two launches,
+    the same answer."""
     from cascadeinfer.kernels import policy
 
-    monkeypatch.setattr(policy, "merge_in_kernel", lambda *args: False)
-    monkeypatch.setattr(prefill_mod, "merge_in_kernel", lambda *args: False)
-    call, roots, ref = _split_call(op, device, 0)
+    monkeypatch.setattr(policy, "merge_in_kernel", lambda *args, **kwargs: False)
+    call, roots, ref = _split_call(device, 0)
     with launch_mod.recording(roots, keep_scratch=True) as rec:
         o, lse = call()
     assert len(rec.launches) == 2 and not rec._counters
@@ -435,6 +426,9 @@ def test_kept_scratch_serves_one_stream_and_never_a_capture():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         o3, lse3 = ci.batch_decode_paged(q3, cache3, indptr, indices, last, num_splits=3, validate=False)
+    # Captured, the splits go to the merge kernel (the faster form inside a graph).
+    captured = [r for r in decode_mod._LAUNCHES._items.values() if r is not rec]
+    assert len(captured) == 1 and len(captured[0].launches) == 2 and not captured[0].counter_bytes
     for seed in (4, 5):
         graph.replay()
         o4, lse4, (q4, cache4) = call(seed)  # eager, on the kept block, right after the graph
@@ -447,8 +441,7 @@ def test_kept_scratch_serves_one_stream_and_never_a_capture():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("op", ["decode", "prefill"])
-def test_split_merge_holds_under_a_full_grid(op):
+def test_split_merge_holds_under_a_full_grid():
     """Thousands of programs, many rows finishing at once on every SM: each row's last
     split must see every other split's state. Twenty replays with new queries, each
     against the unsplit kernel's answer (same math, no merge), and the counters zero."""
@@ -459,12 +452,9 @@ def test_split_merge_holds_under_a_full_grid(op):
     indptr = torch.arange(0, batch * pages + 1, pages, dtype=torch.int32, device=device)
     indices = torch.randperm(batch * pages, generator=g, device=device).to(torch.int32)
     last = torch.randint(1, page + 1, (batch,), generator=g, device=device, dtype=torch.int32)
-    qo = torch.arange(batch + 1, dtype=torch.int32, device=device)
 
     def run(q, splits):
-        if op == "decode":
-            return ci.batch_decode_paged(q, cache, indptr, indices, last, num_splits=splits, validate=False)
-        return ci.batch_prefill_paged(q, qo, cache, indptr, indices, last, num_splits=splits, validate=False)
+        return ci.batch_decode_paged(q, cache, indptr, indices, last, num_splits=splits, validate=False)
 
     for _ in range(20):
         q = torch.randn(batch, hkv * group, d, generator=g, device=device).to(torch.bfloat16)

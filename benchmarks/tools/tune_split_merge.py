@@ -1,15 +1,13 @@
-"""Where the splits of a split-KV call should be merged: in the kernel, or by a merge kernel.
+"""Where the splits of a split-KV decode should be merged: in the kernel, or by a merge kernel.
 
     python -m benchmarks.tools.tune_split_merge [--rep-ms MS] [--json PATH]
 
 Each shape runs twice in one process, CUDA-graph timed with its K/V rotated past L2
-(``bench_rotating``): once as the policy has it (the last split of each row merges the
-float32 states inside the kernel, :mod:`cascadeinfer.kernels.split_merge`, where
-:func:`policy.merge_in_kernel` allows), once with every merge sent to ``merge_states``'
-kernel after it. Decode: ``batch_decode_paged`` at the batch sizes that split (1-8
-requests; bf16, Hq 32, Hkv 8, D 128, page 16). Prefill: ``batch_prefill_paged`` of a few
-queries of one group over a long prefix (the cascade's upper level for small batches).
-Both answers are checked against each other before timing.
+(``bench_rotating``): once with the last split of each row merging the float32 states
+inside the kernel (:mod:`cascadeinfer.kernels.split_merge`), once with the merge sent to
+``merge_states``' kernel after it, whatever :func:`policy.merge_in_kernel` would pick.
+``batch_decode_paged`` at the batch sizes that split (1-8 requests; bf16, Hq 32, Hkv 8,
+D 128, page 16). Both answers are checked against each other before timing.
 """
 
 from __future__ import annotations
@@ -26,14 +24,12 @@ from benchmarks._common import (
     rotation_count,
     write_json,
 )
-from cascadeinfer import batch_decode_paged, batch_prefill_paged
+from cascadeinfer import batch_decode_paged
 from cascadeinfer.kernels import decode as decode_mod
 from cascadeinfer.kernels import policy
-from cascadeinfer.kernels import prefill as prefill_mod
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 DECODE = [(1, 2048), (1, 8192), (1, 16384), (2, 8192), (4, 4096), (4, 16384), (8, 2048), (8, 8192)]
-PREFILL = [(4, 16384), (8, 8192), (16, 32768), (64, 8192)]  # (queries of one group, prefix tokens)
 
 
 def _caches(tokens: int, device: torch.device) -> list[torch.Tensor]:
@@ -57,20 +53,19 @@ def _time_both(fns_of) -> dict:
 
 
 class _forced:
-    """Every split-KV merge in the kernel (the policy's bytes limit lifted) or in a merge kernel."""
+    """Every split-KV merge in the kernel (the policy's limits lifted, in capture too) or in a merge kernel."""
 
     def __init__(self, in_kernel: bool) -> None:
         self.value = in_kernel
 
     def __enter__(self):
-        self.saved = policy.merge_in_kernel, prefill_mod.merge_in_kernel
-        forced = (lambda *a: True) if self.value else (lambda *a: False)
-        policy.merge_in_kernel = prefill_mod.merge_in_kernel = forced
+        self.saved = policy.merge_in_kernel
+        value = self.value
+        policy.merge_in_kernel = lambda *args, **kwargs: value
         decode_mod._LAUNCHES.clear()  # recordings keep the setting they were made with
-        prefill_mod._PAGED.clear()
 
     def __exit__(self, *exc):
-        policy.merge_in_kernel, prefill_mod.merge_in_kernel = self.saved
+        policy.merge_in_kernel = self.saved
 
 
 def decode_row(batch: int, ctx: int, device: torch.device) -> dict:
@@ -91,29 +86,7 @@ def decode_row(batch: int, ctx: int, device: torch.device) -> dict:
                                     group_size=HQ // HKV)
     splits = policy.decode_num_splits(batch, HKV, device, programs_per_sm=cfg.programs_per_sm)
     return dict(op="decode", batch=batch, kv=ctx, splits=splits,
-                in_kernel_by_policy=policy.merge_in_kernel(splits, HQ // HKV, D), **_time_both(fns_of))
-
-
-def prefill_row(queries: int, ctx: int, device: torch.device) -> dict:
-    pages = -(-ctx // PAGE)
-    caches = _caches(ctx, device)
-    qo = torch.tensor([0, queries], dtype=torch.int32, device=device)
-    kv_indptr = torch.tensor([0, pages], dtype=torch.int32, device=device)
-    indices = torch.randperm(pages, device=device).to(torch.int32)
-    last = torch.tensor([ctx - (pages - 1) * PAGE], dtype=torch.int32, device=device)
-    q = torch.randn(queries, HQ, D, device=device, dtype=torch.bfloat16)
-    out = torch.empty_like(q)
-    lse = torch.empty(queries, HQ, device=device)
-
-    def fns_of():
-        return [lambda c=c: batch_prefill_paged(q, qo, c, kv_indptr, indices, last, out=out, lse=lse,
-                                                validate=False) for c in caches]
-
-    cfg = policy.groups_tile_config(queries, 1, HQ // HKV, D, torch.bfloat16)
-    tiles = policy.num_m_tiles(queries, 1, HQ // HKV, cfg.block_m)
-    splits = policy.default_num_splits(tiles, HKV, ctx, device)
-    return dict(op="prefill", batch=queries, kv=ctx, splits=splits,
-                in_kernel_by_policy=policy.merge_in_kernel(splits, cfg.block_m, D), **_time_both(fns_of))
+                eager_in_kernel_by_policy=policy.merge_in_kernel(splits, HQ // HKV, D), **_time_both(fns_of))
 
 
 def main() -> None:
@@ -124,8 +97,8 @@ def main() -> None:
     ARGS = ap.parse_args()
     device = gpu_start("tune_split_merge")
     env = environment()
-    rows = [decode_row(b, c, device) for b, c in DECODE] + [prefill_row(n, c, device) for n, c in PREFILL]
-    print(markdown_table(rows, ["op", "batch", "kv", "splits", "in_kernel_by_policy", "in_kernel_us",
+    rows = [decode_row(b, c, device) for b, c in DECODE]
+    print(markdown_table(rows, ["op", "batch", "kv", "splits", "eager_in_kernel_by_policy", "in_kernel_us",
                                 "merge_kernel_us", "ratio"]))
     write_json(ARGS.json, dict(env=env, rows=rows))
 

@@ -30,7 +30,7 @@ from cascadeinfer._checks import (
     check_tensor,
     default_sm_scale,
 )
-from cascadeinfer._device import normalize_device, use_triton
+from cascadeinfer._device import capturing, normalize_device, use_triton
 from cascadeinfer.cascade.context_parallel import page_share
 from cascadeinfer.cascade.plan import (
     LevelArrays,
@@ -563,8 +563,10 @@ class MultiLevelCascadeAttention:
         if torch.compiler.is_compiling():
             return self._run_traced(q, paged_kv_cache, out, lse, return_lse, sm_scale)
         cache = cache_tensors(paged_kv_cache)
+        # Recorded apart for CUDA-graph capture: its decode level merges KV splits the way
+        # a graph runs fastest (kernels.policy.merge_in_kernel).
         launches, key, ptrs = self._launches.find((q, *cache, *given(out, lse)),
-                                            (len(cache), out is None, lse is None, sm_scale))
+                                                  (len(cache), out is None, lse is None, sm_scale, capturing()))
         if launches is None:
             self._check_run(q, paged_kv_cache, out, lse)
             if not use_triton(q.device):  # the PyTorch path launches nothing to replay

@@ -67,7 +67,9 @@ from cascadeinfer.kernels.launch import (
     given,
     launch,
     recorded,
+    recording_active,
     scratch,
+    unrecorded,
 )
 from cascadeinfer.kernels.policy import (
     MAX_SPLITS,
@@ -331,7 +333,8 @@ def batch_decode_paged(
     cache = cache_tensors(paged_kv_cache)
     rec, key, ptrs = _LAUNCHES.find(
         (q, *cache, kv_indptr, kv_indices, kv_last_page_len, *given(out, lse)),
-        (len(cache), out is None, lse is None, kv_layout, sm_scale, num_splits, schedule),
+        # Captured calls merge KV splits in a merge kernel, eager ones in the kernel (policy).
+        (len(cache), out is None, lse is None, kv_layout, sm_scale, num_splits, schedule, capturing()),
         lengthless=(len(cache) + 2,))
     if rec is None:
         return decode_with_config(
@@ -446,9 +449,26 @@ def _launch_per_request(q, kv: PagedKV, kv_indptr, kv_indices, kv_last_page_len,
         group_size=num_qo_heads // kv.num_kv_heads)
     if num_splits is None:
         num_splits = decode_num_splits(batch, kv.num_kv_heads, device, programs_per_sm=cfg.programs_per_sm)
+    merge = num_splits > 1 and policy.merge_in_kernel(num_splits, num_qo_heads // kv.num_kv_heads, head_dim,
+                                                      capturing=capturing())
+    if merge and q.is_cuda and recording_active():
+        # A CUDA-graph capture of this signature merges in a merge kernel instead (the
+        # policy): while its eager form is recorded, run that form once too, unrecorded,
+        # so that its kernels are compiled and loaded before any capture (no module can
+        # be loaded while a stream is captured).
+        with unrecorded():
+            _launch_splits(q, kv, kv_indptr, kv_indices, kv_last_page_len, out, lse, scale, num_splits, cfg, False)
+    _launch_splits(q, kv, kv_indptr, kv_indices, kv_last_page_len, out, lse, scale, num_splits, cfg, merge)
+
+
+def _launch_splits(q, kv: PagedKV, kv_indptr, kv_indices, kv_last_page_len, out, lse, scale: float,
+                   num_splits: int, cfg: DecodeConfig, merge: bool) -> None:
+    """The per-request kernel with ``num_splits`` splits; with more than one, ``merge``:
+    its last split per (request, kv head) merges them, else merge_states' kernel after."""
+    device = q.device
+    batch, num_qo_heads, head_dim = q.shape
     group = num_qo_heads // kv.num_kv_heads
     split = num_splits > 1
-    merge = split and policy.merge_in_kernel(num_splits, group, head_dim)
     block_d = max(16, next_power_of_2(head_dim))
     meta = dict(
         GROUP=group,
@@ -469,8 +489,8 @@ def _launch_per_request(q, kv: PagedKV, kv_indptr, kv_indices, kv_last_page_len,
     grid = (batch * kv.num_kv_heads * num_splits,)
     if split:
         # fp32 partial states, merged straight into out (cast at the store): by the last
-        # split of each (request, kv head), counting arrivals in count, while they are few
-        # bytes; else by merge_states' kernel.
+        # split of each (request, kv head), counting arrivals in count, or by merge_states'
+        # kernel.
         part_o = scratch((batch, num_splits, num_qo_heads, head_dim), torch.float32, device)
         part_lse = scratch((batch, num_splits, num_qo_heads), torch.float32, device)
         count = counters(batch * kv.num_kv_heads, device) if merge else lse

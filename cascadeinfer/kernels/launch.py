@@ -414,6 +414,22 @@ def recorded(cache: "LaunchCache", key: Hashable | None, roots: Sequence[torch.T
     cache.put(key, rec)
 
 
+def recording_active() -> bool:
+    """Whether a recording is in progress (the launches made now will be replayed)."""
+    return _RECORDING.get() is not None
+
+
+@contextlib.contextmanager
+def unrecorded() -> Iterator[None]:
+    """Launches inside the block run now and are kept by no recording in progress (a
+    launcher's one-off work on its first call, e.g. compiling another form of a kernel)."""
+    token = _RECORDING.set(None)
+    try:
+        yield
+    finally:
+        _RECORDING.reset(token)
+
+
 def launch(kernel, grid: Sequence[int], *args, **meta) -> None:
     """``kernel[grid](*args, **meta)``, kept by the recording in progress if there is one."""
     compiled = kernel[grid](*args, **meta)

@@ -501,21 +501,24 @@ def merge_unroll(states_per_row: int, few_programs: bool) -> int:
 
 # ------------------------------------------------------------------ split-KV merge in a kernel
 
-# The last split of a row merges the splits' float32 states inside the kernel
-# (cascadeinfer.kernels.split_merge) when they are few bytes: it reads them in tiles of
-# [splits, rows, head_dim] of at most SPLIT_MERGE_TILE elements (32 KiB, 64 registers a
-# thread at 4 warps), one round trip to L2 per tile, while the other SMs may already idle.
-# Up to IN_KERNEL_MERGE_BYTES (four such tiles) that tail costs less than a merge kernel
-# (its launch, on the host and in the GPU's queue, and its own round trips); past it, the
-# splits go to merge_states' kernel, which spreads the merge over the whole GPU.
+# The last split of a decode row merges the splits' float32 states inside the kernel
+# (cascadeinfer.kernels.split_merge) in eager calls, when they are few bytes: it reads
+# them in tiles of [splits, rows, head_dim] of at most SPLIT_MERGE_TILE elements (32 KiB,
+# 64 registers a thread at 4 warps), one round trip to L2 per tile. That saves the merge
+# kernel's launch on the host (4-8 µs of an eager call) but costs the GPU about 2 µs more
+# than the merge kernel does inside a CUDA graph (benchmarks/tools/tune_split_merge.py,
+# NOTES.md "Host cost"), so calls being captured keep the merge kernel. Past
+# IN_KERNEL_MERGE_BYTES the splits go to merge_states' kernel, which spreads the merge
+# over the whole GPU.
 SPLIT_MERGE_TILE = 8192
 IN_KERNEL_MERGE_BYTES = 4 * 4 * SPLIT_MERGE_TILE
 
 
-def merge_in_kernel(num_splits: int, rows: int, head_dim: int) -> bool:
+def merge_in_kernel(num_splits: int, rows: int, head_dim: int, *, capturing: bool = False) -> bool:
     """Whether a program's last split merges the ``num_splits`` float32 states of its
-    ``rows`` rows of ``head_dim`` values itself (else a merge kernel follows)."""
-    return num_splits * rows * head_dim * 4 <= IN_KERNEL_MERGE_BYTES
+    ``rows`` rows of ``head_dim`` values itself (else a merge kernel follows): in eager
+    calls (not ``capturing`` a CUDA graph) whose states are few bytes."""
+    return not capturing and num_splits * rows * head_dim * 4 <= IN_KERNEL_MERGE_BYTES
 
 
 def split_merge_block(rows: int, block_d: int) -> int:

@@ -12,14 +12,14 @@ One kernel serves three public entry points:
 The kernel itself, and how it is laid out (GQA packing, the sync-free tile map, split-KV,
 the pipelined page gather), is in :mod:`cascadeinfer.kernels.prefill_kernel`. This module
 checks arguments, picks tiles and KV splits from shapes (:mod:`cascadeinfer.kernels.policy`),
-and launches; with KV splits, the kernel's last split of each tile merges their states.
+launches, and merges the splits' states.
 
 LSE is natural log at every boundary; ``(0, -inf)`` is the state of a query that sees no key.
 
 Below the three entry points, without their checks, for tuning tools and benchmarks that
 force a tile config, split count or address path: :func:`run_prefill` (tiles and splits
 from shapes unless given, the launch, the merge of the splits), :func:`launch_prefill`
-(one launch into per-split destinations, merged in it when asked) and the KV sides they take
+(one launch into per-split destinations) and the KV sides they take
 (:class:`KVSource`, from :func:`paged_source` or :func:`ragged_source`).
 """
 
@@ -39,15 +39,8 @@ from cascadeinfer._checks import (
 )
 from cascadeinfer._device import capturing, use_triton
 from cascadeinfer.kernels.constants import LOG2E
-from cascadeinfer.kernels.launch import (
-    LaunchCache,
-    counters,
-    given,
-    launch,
-    recorded,
-    scratch,
-)
-from cascadeinfer.kernels.merge_many import merge_states_unchecked
+from cascadeinfer.kernels.launch import LaunchCache, given, launch, recorded, scratch
+from cascadeinfer.kernels.merge_many import merge_states
 from cascadeinfer.kernels.policy import (
     AddressPath,
     TileConfig,
@@ -55,10 +48,8 @@ from cascadeinfer.kernels.policy import (
     default_num_splits,
     exact_address_path,
     groups_tile_config,
-    merge_in_kernel,
     num_m_tiles,
     padded_head_dim,
-    split_merge_block,
 )
 from cascadeinfer.kernels.prefill_kernel import prefill_kernel
 from cascadeinfer.kernels.reference import (
@@ -131,15 +122,11 @@ def launch_prefill(
     sm_scale: float,
     config: TileConfig,
     address: AddressPath | None = None,
-    merge_into: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Run the kernel into ``o_dest [nnz_qo, S, Hq, D]`` and ``lse_dest [nnz_qo, S, Hq]``.
 
     ``S = o_dest.shape[1]`` is the number of KV splits; with ``S == 1`` the destinations
-    may be views of the caller's ``out``/``lse``. ``merge_into``: ``(out [nnz_qo, Hq, D],
-    lse [nnz_qo, Hq] float32)``: with ``S > 1`` the last split of each tile to finish
-    merges the splits' states into them, in the same launch (float32 destinations keep
-    the states exact; see :func:`policy.merge_in_kernel` for when it pays). ``qo_indptr is None`` means one group of
+    may be views of the caller's ``out``/``lse``. ``qo_indptr is None`` means one group of
     all queries against all of ``kv`` (ragged, starting at token 0). ``address``: the
     address switches (default: :func:`default_address_path`); a forced one is checked
     against the same bounds, so the int32 path never runs where it could wrap.
@@ -159,17 +146,9 @@ def launch_prefill(
     elif (address.offsets_32 and not safe.offsets_32) or (address.aligned_pages and not safe.aligned_pages):
         raise ValueError(f"address: {address} is not exact for these shapes (allowed at most {safe})")
     grid = (num_tiles, kv.num_kv_heads, num_splits)
-    merge = merge_into is not None and num_splits > 1
-    if merge:
-        out, out_lse = merge_into
-        count = counters(num_tiles * kv.num_kv_heads, q.device)
-        final_strides = (out.stride(0), out.stride(1), out_lse.stride(0), out_lse.stride(1))
-    else:
-        out, out_lse, count = o_dest, lse_dest, lse_dest  # not read
-        final_strides = (0, 0, 0, 0)
     launch(
         prefill_kernel, grid,
-        q, kv.k, kv.v, o_dest, lse_dest, out, out_lse, count,
+        q, kv.k, kv.v, o_dest, lse_dest,
         dummy if one_group else qo_indptr,
         dummy if one_group else kv.indptr,
         kv.indices if kv.paged else dummy,
@@ -180,7 +159,6 @@ def launch_prefill(
         *kv.k_strides, *kv.v_strides[1:],  # V's page stride is K's (checked above)
         o_dest.stride(0), o_dest.stride(1), o_dest.stride(2),
         lse_dest.stride(0), lse_dest.stride(1), lse_dest.stride(2),
-        *final_strides,
         sm_scale * LOG2E,
         GROUP_SIZE=num_qo_heads // kv.num_kv_heads,
         PAGE_SIZE=kv.page_size,
@@ -194,8 +172,6 @@ def launch_prefill(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         OFFSETS_32=address.offsets_32,
         ALIGNED_PAGES=address.aligned_pages,
-        MERGE=merge,
-        SPLIT_BLOCK=split_merge_block(config.block_m, padded_head_dim(head_dim)) if merge else 1,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -226,16 +202,12 @@ def run_prefill(
         launch_prefill(q, qo_indptr, kv, out.unsqueeze(1), lse.unsqueeze(1), causal=causal, sm_scale=sm_scale,
                 config=config, address=address)
         return out, lse
-    # One float32 partial state per split, every (row, split) written (an empty split as
-    # the identity (0, -inf)); the last split of each tile merges them into out and lse
-    # while they are few bytes, else merge_states' kernel does after.
-    part_o = scratch((nnz_qo, num_splits, num_qo_heads, head_dim), torch.float32, q.device)
+    # One partial state per split (o in q's dtype, as merge_states takes one dtype; LSE
+    # float32). Every (row, split) is written, an empty split as the identity (0, -inf).
+    part_o = scratch((nnz_qo, num_splits, num_qo_heads, head_dim), q.dtype, q.device)
     part_lse = scratch((nnz_qo, num_splits, num_qo_heads), torch.float32, q.device)
-    in_kernel = merge_in_kernel(num_splits, config.block_m, head_dim)
-    launch_prefill(q, qo_indptr, kv, part_o, part_lse, causal=causal, sm_scale=sm_scale, config=config,
-                   address=address, merge_into=(out, lse) if in_kernel else None)
-    if not in_kernel:
-        merge_states_unchecked(part_o, part_lse, out, lse)
+    launch_prefill(q, qo_indptr, kv, part_o, part_lse, causal=causal, sm_scale=sm_scale, config=config, address=address)
+    merge_states(part_o, part_lse, out=out, out_lse=lse)
     return out, lse
 
 

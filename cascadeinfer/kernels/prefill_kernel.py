@@ -1,9 +1,8 @@
 """The tensor-core prefill kernel behind :mod:`cascadeinfer.kernels.prefill`.
 
 One program computes one M tile of packed query rows of one query group, against one KV
-head's keys in one KV split, and writes that tile's attention state ``(o, lse)``; with
-splits, the last split of a tile to finish merges them. The launchers in ``prefill.py``
-pick tiles and splits.
+head's keys in one KV split, and writes that tile's attention state ``(o, lse)``; the
+launchers in ``prefill.py`` pick tiles and splits and merge the splits.
 
 How it is laid out (the ideas of FlashAttention-2 and Triton's
 ``06-fused-attention`` tutorial, with the query heads of one KV head packed together):
@@ -22,10 +21,8 @@ How it is laid out (the ideas of FlashAttention-2 and Triton's
 * **Split-KV.** When tiles × KV heads cannot fill the SMs (128 decode queries × 4 heads
   per KV head = 4 tiles × 8 KV heads = 32 programs on 132 SMs), each group's KV range is
   cut into ``num_splits`` chunks (a function of shapes only), the programs write partial
-  states (float32) to scratch, and the last split of each (tile, KV head) to finish
-  merges them into the output (:mod:`cascadeinfer.kernels.split_merge`): one launch.
-  Where the states are too many bytes for one program (large tiles, many splits: the
-  cascade's prefix level), ``merge_states`` merges them after, over the whole GPU.
+  states (o in q's dtype, LSE float32), and :func:`cascadeinfer.kernels.merge_many.merge_states`
+  merges them.
 * **Masked work apart.** Key tiles every row of the tile sees in full run without masks;
   only the last partial tile and the causal diagonal band run the masked loop.
 * **Pipelined page gather.** In the unmasked loop the page ids of the next key tile are
@@ -58,7 +55,6 @@ import triton
 import triton.language as tl
 
 from cascadeinfer.kernels.softmax import finish_state, online_softmax_step
-from cascadeinfer.kernels.split_merge import arrive, merge_splits
 
 
 @triton.jit
@@ -295,11 +291,8 @@ def prefill_kernel(
     q_ptr,  # [nnz_qo, num_qo_heads, head_dim]
     k_ptr,  # paged: [num_pages, page_size, num_kv_heads, head_dim] in any layout (strides); ragged: [nnz_kv, num_kv_heads, head_dim]
     v_ptr,  # like k_ptr
-    o_ptr,  # [nnz_qo, num_splits, num_qo_heads, head_dim] any float dtype; num_splits == 1: the output itself
+    o_ptr,  # [nnz_qo, num_splits, num_qo_heads, head_dim] q's dtype; num_splits == 1: the output itself
     lse_ptr,  # [nnz_qo, num_splits, num_qo_heads] float32, natural log
-    out_ptr,  # MERGE: [nnz_qo, num_qo_heads, head_dim] the merged output (any float dtype)
-    out_lse_ptr,  # MERGE: [nnz_qo, num_qo_heads] float32, natural log
-    count_ptr,  # MERGE: [grid tiles * num_kv_heads] int32 arrival counters, zero (left zero)
     qo_indptr_ptr,  # [num_groups + 1] int32 (not read when ONE_GROUP)
     kv_indptr_ptr,  # [num_groups + 1] int32, pages (PAGED) or tokens (not read when ONE_GROUP)
     kv_indices_ptr,  # [kv_indptr[-1]] int32 page ids (PAGED only)
@@ -321,10 +314,6 @@ def prefill_kernel(
     stride_lt,
     stride_ls,
     stride_lh,
-    stride_fot,  # MERGE: out's token and head strides
-    stride_foh,
-    stride_flt,  # MERGE: out_lse's token and head strides
-    stride_flh,
     qk_scale,  # sm_scale * log2(e)
     GROUP_SIZE: tl.constexpr,  # query heads per KV head
     PAGE_SIZE: tl.constexpr,  # tokens per page (PAGED; 1 otherwise)
@@ -338,8 +327,6 @@ def prefill_kernel(
     DOT_PRECISION: tl.constexpr,
     OFFSETS_32: tl.constexpr,  # unmasked loop: K/V row offsets in int32 (every pool offset < 2**31)
     ALIGNED_PAGES: tl.constexpr,  # unmasked loop, paged, BLOCK_N % PAGE_SIZE == 0: page math hoisted
-    MERGE: tl.constexpr,  # the last split of each (tile, KV head) merges the partial states into out
-    SPLIT_BLOCK: tl.constexpr,  # MERGE: splits per tile of the merge
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -427,18 +414,5 @@ def prefill_kernel(
              mask=row_ok[:, None] & d_ok[None, :])
     lse_off = tok64 * stride_lt + split.to(tl.int64) * stride_ls + head.to(tl.int64) * stride_lh
     tl.store(lse_ptr + lse_off, lse, mask=row_ok)
-    if MERGE:
-        # Every program of a (tile slot, KV head) gets here (an empty slot returned above
-        # in all of its splits): the last to arrive merges the splits' states.
-        if arrive(count_ptr + tile * tl.num_programs(1) + kv_head, num_splits):
-            part = tok64 * stride_ot + head.to(tl.int64) * stride_oh
-            o_all, lse_all = merge_splits(o_ptr + part[:, None] + offs_d[None, :],
-                                  lse_ptr + tok64 * stride_lt + head.to(tl.int64) * stride_lh,
-                                  row_ok[:, None] & d_ok[None, :], row_ok, stride_os, stride_ls, num_splits,
-                                  SPLIT_BLOCK)
-            f_off = tok64 * stride_fot + head.to(tl.int64) * stride_foh
-            tl.store(out_ptr + f_off[:, None] + offs_d[None, :], o_all.to(out_ptr.dtype.element_ty),
-                     mask=row_ok[:, None] & d_ok[None, :])
-            tl.store(out_lse_ptr + tok64 * stride_flt + head.to(tl.int64) * stride_flh, lse_all, mask=row_ok)
 
 
