@@ -203,18 +203,20 @@ def test_empty_and_unvalidated(device):
     _assert_same_bits(case, want)
 
 
-def test_replay_with_new_tensors(device, monkeypatch):
+@pytest.mark.parametrize("pair", [tuple, list])
+def test_replay_with_new_tensors(device, monkeypatch, pair):
     """The second call of a signature replays the first one's launch on new tensors (new
     addresses, same shapes and strides), without the Python checks; validate=True still
-    checks the new contents first."""
+    checks the new contents first. A (k, v) cache given as a list is a root like the
+    tuple: the replay writes the new call's cache."""
     monkeypatch.setattr(rope_append, "_LAUNCHES", LaunchCache())
     first = Case(device, layout="HND", form="tuple", heads=(8, 2), head_dim=64, before=[3, 17], append=[1, 1],
                  pad=1, seed=9)
-    first.run()
+    first.run(first.qkv, pair(first.cache))
     second = Case(device, layout="HND", form="tuple", heads=(8, 2), head_dim=64, before=[3, 17], append=[1, 1],
                   pad=1, seed=10)
     want = second.separate()
-    qkv, cache = second.qkv.clone(), second.fresh_cache()
+    qkv, cache = second.qkv.clone(), pair(second.fresh_cache())
 
     def no_checks(*args, **kwargs):
         raise AssertionError("a replayed call ran the argument checks")

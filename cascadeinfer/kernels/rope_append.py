@@ -56,6 +56,7 @@ from cascadeinfer.kernels.reference import apply_rope_ref
 from cascadeinfer.layouts.paged_cache import (
     PagedKV,
     PagedKVCache,
+    cache_tensors,
     unpack_paged_kv_cache,
 )
 
@@ -119,17 +120,6 @@ def _rope_append_kernel(
         src_v = value_ptr + t * stride_value_tok + heads64 * stride_value_head + d[None, :]
         tl.store(v_cache_ptr + slot, tl.load(src_v, mask=ok), mask=ok)
         tl.store(v_cache_ptr + slot + HALF, tl.load(src_v + HALF, mask=ok), mask=ok)
-
-
-def _cache_roots(paged_kv_cache: object) -> tuple[torch.Tensor, ...]:
-    """The cache's tensors for the launch key; ``()`` for anything that is neither cache
-    form, so that the call misses every recording and the checks name the argument."""
-    if isinstance(paged_kv_cache, torch.Tensor):
-        return (paged_kv_cache,)
-    if (isinstance(paged_kv_cache, tuple) and len(paged_kv_cache) == 2
-            and all(isinstance(t, torch.Tensor) for t in paged_kv_cache)):
-        return paged_kv_cache
-    return ()
 
 
 def _check_args(q, append_key, append_value, batch_indices, positions, paged_kv_cache, kv_indices, kv_indptr,
@@ -207,7 +197,7 @@ def append_paged_kv_cache_rope(
     any launch. The launch reads no tensor contents on the host, so with
     ``validate=False`` it is CUDA-graph safe. Returns ``None``.
     """
-    cache = _cache_roots(paged_kv_cache)
+    cache = cache_tensors(paged_kv_cache)
     roots = (q, append_key, append_value, batch_indices, positions, *cache, kv_indices, kv_indptr,
              kv_last_page_len, rope_positions, cos_sin_cache)
     rec, key, ptrs = _LAUNCHES.find(roots, (len(cache), kv_layout), lengthless=(5 + len(cache),))

@@ -107,10 +107,14 @@ def unpack_paged_kv_cache(paged_kv_cache: PagedKVCache, kv_layout: str = "NHD") 
 
 def cache_tensors(paged_kv_cache: PagedKVCache) -> tuple[torch.Tensor, ...]:
     """The tensors of a paged cache: ``(cache,)`` for the single tensor, ``(k, v)`` for the
-    tuple form (no checks: for callers that have checked the cache already)."""
+    tuple (or list) form, ``()`` for anything that is neither, so that a launcher keying
+    its call on them misses every recording and its checks name the argument."""
     if isinstance(paged_kv_cache, torch.Tensor):
         return (paged_kv_cache,)
-    return tuple(paged_kv_cache)
+    if (isinstance(paged_kv_cache, (tuple, list)) and len(paged_kv_cache) == 2
+            and all(isinstance(t, torch.Tensor) for t in paged_kv_cache)):
+        return tuple(paged_kv_cache)
+    return ()
 
 
 def check_layout_fits(
