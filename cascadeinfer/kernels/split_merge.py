@@ -20,9 +20,9 @@ merge on the same SM.
 
 The merge is the arithmetic of :mod:`cascadeinfer.kernels.merge_many` (natural-log LSEs;
 an empty split, ``lse = -inf``, weighs exactly zero; a NaN or ``+inf`` LSE poisons the
-row), a tile of splits at a time. Launchers merge here only while a program's states are
-few bytes (:func:`cascadeinfer.kernels.policy.merge_in_kernel`); more go to a merge kernel
-that spreads the work over the GPU.
+row), a tile of splits at a time. The decode launcher merges here only in eager calls and
+only while a program's states are few bytes (:func:`cascadeinfer.kernels.policy.merge_in_kernel`):
+inside a CUDA graph, and for more bytes, a merge kernel is the faster.
 """
 
 import triton
