@@ -38,6 +38,11 @@ from cascadeinfer._checks import (
     same_device,
 )
 from cascadeinfer._device import capturing, use_triton
+from cascadeinfer.kernels.backend import (
+    HOPPER_PREFILL_TILES,
+    check_backend,
+    pick_prefill_backend,
+)
 from cascadeinfer.kernels.constants import LOG2E
 from cascadeinfer.kernels.launch import LaunchCache, given, launch, recorded, scratch
 from cascadeinfer.kernels.merge_many import merge_states
@@ -122,6 +127,7 @@ def launch_prefill(
     sm_scale: float,
     config: TileConfig,
     address: AddressPath | None = None,
+    backend: str = "portable",
 ) -> None:
     """Run the kernel into ``o_dest [nnz_qo, S, Hq, D]`` and ``lse_dest [nnz_qo, S, Hq]``.
 
@@ -130,11 +136,16 @@ def launch_prefill(
     all queries against all of ``kv`` (ragged, starting at token 0). ``address``: the
     address switches (default: :func:`default_address_path`); a forced one is checked
     against the same bounds, so the int32 path never runs where it could wrap.
+    ``backend``: ``"hopper"`` runs the warp-specialised kernel instead (the caller checked
+    :func:`cascadeinfer.kernels.backend.prefill_declines`; ``address`` does not apply).
     """
     nnz_qo, num_qo_heads, head_dim = q.shape
     num_groups, num_tiles = _grid_tiles(q, qo_indptr, kv, config)
     num_splits = o_dest.shape[1]
     if nnz_qo == 0 or num_groups == 0 or num_tiles == 0:
+        return
+    if backend == "hopper":
+        _launch_hopper(q, qo_indptr, kv, o_dest, lse_dest, sm_scale, num_groups, num_tiles)
         return
     one_group = qo_indptr is None
     dummy = kv.k  # stands in for pointers the kernel does not read
@@ -177,6 +188,37 @@ def launch_prefill(
     )
 
 
+def _launch_hopper(q, qo_indptr, kv: KVSource, o_dest, lse_dest, sm_scale: float, num_groups: int,
+                   num_tiles: int) -> None:
+    """The Hopper kernel on the portable kernel's grid (128-row tiles, same splits)."""
+    from cascadeinfer.kernels.prefill_kernel_hopper import (
+        prefill_kernel_hopper,  # imported on first use: Gluon, GPU only
+    )
+
+    if qo_indptr is None:
+        raise AssertionError("the Hopper kernel reads paged groups (prefill_declines' promise)")
+    head_dim = q.shape[2]
+    block_n, k_stages, v_stages = HOPPER_PREFILL_TILES[head_dim]
+    launch(
+        prefill_kernel_hopper, (num_tiles, kv.num_kv_heads, o_dest.shape[1]),
+        q, kv.k, kv.v, o_dest, lse_dest, qo_indptr, kv.indptr, kv.indices, kv.last_page_len,
+        (num_groups - 1).bit_length(), num_groups,
+        q.stride(0), q.stride(1), *kv.k_strides,
+        o_dest.stride(0), o_dest.stride(1), o_dest.stride(2),
+        lse_dest.stride(0), lse_dest.stride(1), lse_dest.stride(2),
+        sm_scale * LOG2E,
+        GROUP_SIZE=q.shape[1] // kv.num_kv_heads,
+        PAGE_SIZE=kv.page_size,
+        HEAD_DIM=head_dim,
+        BLOCK_N=block_n,
+        K_STAGES=k_stages,
+        V_STAGES=v_stages,
+        PRODUCER_REGS=104,  # its row addresses and the next tile's page ids (sm_90 build)
+        CONSUMER_REGS=200,
+        num_warps=4,
+    )
+
+
 def run_prefill(
     q: torch.Tensor,
     qo_indptr: torch.Tensor | None,
@@ -189,24 +231,28 @@ def run_prefill(
     num_splits: int | None = None,
     config: TileConfig | None = None,
     address: AddressPath | None = None,
+    backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick tiles and splits from shapes, launch, merge the splits into ``out``/``lse``."""
+    """Pick tiles, splits and the backend (:mod:`cascadeinfer.kernels.backend`) from
+    shapes, launch, merge the splits into ``out``/``lse``."""
     nnz_qo, num_qo_heads, head_dim = q.shape
     if config is None:
         num_groups = 1 if qo_indptr is None else qo_indptr.shape[0] - 1
         config = groups_tile_config(nnz_qo, num_groups, num_qo_heads // kv.num_kv_heads, head_dim, q.dtype)
+    backend = pick_prefill_backend(backend, q, kv, causal, config.block_m)
     if num_splits is None:
         num_splits = default_num_splits(_grid_tiles(q, qo_indptr, kv, config)[1], kv.num_kv_heads, kv.max_kv_len,
                                         q.device)
     if num_splits == 1:
         launch_prefill(q, qo_indptr, kv, out.unsqueeze(1), lse.unsqueeze(1), causal=causal, sm_scale=sm_scale,
-                config=config, address=address)
+                       config=config, address=address, backend=backend)
         return out, lse
     # One partial state per split (o in q's dtype, as merge_states takes one dtype; LSE
     # float32). Every (row, split) is written, an empty split as the identity (0, -inf).
     part_o = scratch((nnz_qo, num_splits, num_qo_heads, head_dim), q.dtype, q.device)
     part_lse = scratch((nnz_qo, num_splits, num_qo_heads), torch.float32, q.device)
-    launch_prefill(q, qo_indptr, kv, part_o, part_lse, causal=causal, sm_scale=sm_scale, config=config, address=address)
+    launch_prefill(q, qo_indptr, kv, part_o, part_lse, causal=causal, sm_scale=sm_scale, config=config,
+                   address=address, backend=backend)
     merge_states(part_o, part_lse, out=out, out_lse=lse)
     return out, lse
 
@@ -286,6 +332,7 @@ def batch_prefill_paged(
     lse: torch.Tensor | None = None,
     validate: bool = True,
     num_splits: int | None = None,
+    backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ragged query groups over their pages of a paged KV cache.
 
@@ -313,6 +360,10 @@ def batch_prefill_paged(
         num_splits: KV splits per group (their states merged into ``out``); None: as
             many as fill one wave of programs (:func:`default_num_splits`, from shapes).
             Fewer leave SMs free for work on another stream (the cascade's suffix decode).
+        backend: ``None`` (the device-specific kernel where it runs and is faster: today
+            always the portable one), ``"portable"`` or ``"hopper"`` (the warp-specialised
+            kernel on compute capability 9.0; a ``ValueError`` where it cannot run):
+            :mod:`cascadeinfer.kernels.backend`.
 
     Returns:
         ``(o, lse)``: ``o`` like ``q``; ``lse`` float32 ``[nnz_qo, num_qo_heads]``, NATURAL
@@ -325,7 +376,7 @@ def batch_prefill_paged(
     cache = cache_tensors(paged_kv_cache)
     rec, key, ptrs = _PAGED.find(
         (q, qo_indptr, *cache, kv_indptr, kv_indices, kv_last_page_len, *given(out, lse)),
-        (len(cache), out is None, lse is None, causal, kv_layout, sm_scale, num_splits),
+        (len(cache), out is None, lse is None, causal, kv_layout, sm_scale, num_splits, backend),
         lengthless=(len(cache) + 3,))
     if rec is not None:  # a call of this signature passed every shape check already
         out, lse = rec.outputs(out, lse, len(cache) + 5)
@@ -337,6 +388,7 @@ def batch_prefill_paged(
         return out, lse
     _check_q(q)
     _check_flag("causal", causal)
+    check_backend(backend)
     if num_splits is not None and (not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1):
         raise ValueError(f"num_splits: expected a positive int or None, got {num_splits!r}")
     kv = unpack_paged_kv_cache(paged_kv_cache, kv_layout)
@@ -362,7 +414,8 @@ def batch_prefill_paged(
     source = paged_source(kv, kv_indptr, kv_indices, kv_last_page_len)
     roots = (q, qo_indptr, *cache_tensors(paged_kv_cache), kv_indptr, kv_indices, kv_last_page_len, out, lse)
     with recorded(_PAGED, key, roots):
-        run_prefill(q, qo_indptr, source, out, lse, causal=causal, sm_scale=scale, num_splits=num_splits)
+        run_prefill(q, qo_indptr, source, out, lse, causal=causal, sm_scale=scale, num_splits=num_splits,
+                    backend=backend)
     return out, lse
 
 

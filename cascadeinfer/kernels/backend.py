@@ -1,0 +1,104 @@
+"""Which kernel runs a launch: the portable Triton kernel, or one written for a device.
+
+A device-specific kernel (the warp-specialised Hopper prefill kernel,
+:mod:`cascadeinfer.kernels.prefill_kernel_hopper`) sits behind the same public function,
+arguments and ``(o, lse)`` contract as the portable kernel it accelerates. Every public
+launcher that has one takes ``backend``:
+
+* ``None`` (default): the device-specific kernel where it runs (device, Triton version,
+  shapes; see :func:`prefill_declines`) and is measured faster, else the portable kernel
+  — silently, since both give the same answer. The Hopper prefill kernel is not yet
+  faster than the portable one anywhere (benchmarks/NOTES.md, "Prefix / prefill kernel",
+  v5), so ``None`` runs the portable kernel.
+* ``"portable"``: always the portable ``tl.dot`` kernel (the reference; what the CPU
+  interpreter runs).
+* ``"hopper"``: the Hopper kernel, or a ``ValueError`` saying why it cannot run here.
+
+The choice is made once per call signature, on the host, from shapes, strides, dtypes and
+the device (never from tensor contents), and recorded with the launch, so replays pay
+nothing for it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+BACKENDS = ("portable", "hopper")
+
+# Triton versions the Hopper kernels were tested with (Gluon's API moves between releases).
+HOPPER_TRITON_VERSIONS = ("3.6.",)
+
+# Whether backend=None picks the Hopper prefill kernel where it runs: only once it is
+# measured at least 10% faster than the portable kernel (it is 0.92-0.95 of its speed).
+HOPPER_PREFILL_BY_DEFAULT = False
+
+# The Hopper prefill kernel's head dims and (BLOCK_N, K slots, V slots) for each: shared
+# memory is (128 Q rows + slots * BLOCK_N) * head_dim * 2 bytes (224 KiB at 128, 144 KiB
+# at 64; the limit is 227).
+HOPPER_PREFILL_TILES = {64: (128, 4, 4), 128: (128, 3, 3)}
+
+
+def check_backend(backend: object) -> str | None:
+    """``backend`` if it names a backend (or is None), else a ``ValueError`` naming it."""
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend: expected None, 'portable' or 'hopper', got {backend!r}")
+    return backend
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def hopper_unavailable(device: torch.device) -> str | None:
+    """Why the Hopper kernels cannot run on ``device`` (None: they can)."""
+    if device.type != "cuda":
+        return f"a {device.type} device (the Hopper kernels run on CUDA devices of compute capability 9.0)"
+    cap = _capability(torch.cuda.current_device() if device.index is None else device.index)
+    if cap != (9, 0):
+        return f"compute capability {cap[0]}.{cap[1]} (the Hopper kernels are built for 9.0)"
+    if not triton.__version__.startswith(HOPPER_TRITON_VERSIONS):
+        return f"Triton {triton.__version__} (the Hopper kernels are tested with {', '.join(HOPPER_TRITON_VERSIONS)}x)"
+    return None
+
+
+def prefill_declines(q: torch.Tensor, kv, causal: bool, block_m: int) -> str | None:
+    """Why the Hopper prefill kernel does not take this launch (None: it does).
+
+    It takes non-causal attention over a paged cache, fp16/bf16, head_dim 64 or 128, where
+    the portable kernel would use 128-row tiles (groups of at least 65 packed rows: the
+    prefix levels of a cascade), with every row 16-byte aligned (strides multiples of 8
+    elements) for its ``cp.async`` gathers. ``kv`` is the launchers' ``KVSource``.
+    """
+    reason = hopper_unavailable(q.device)
+    if reason is not None:
+        return reason
+    if causal:
+        return "causal attention (it runs non-causal levels)"
+    if not kv.paged:
+        return "contiguous K/V (it reads paged caches)"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"dtype {q.dtype} (fp16 and bf16 only)"
+    if q.shape[2] not in HOPPER_PREFILL_TILES:
+        return f"head_dim {q.shape[2]} (64 or 128)"
+    if block_m != 128:
+        return "groups of at most 64 packed rows (it computes 128-row tiles)"
+    strides = (q.stride(0), q.stride(1), *kv.k_strides)
+    if any(s % 8 for s in strides) or any(t.data_ptr() % 16 for t in (q, kv.k, kv.v)):
+        return "rows not 16-byte aligned (strides must be multiples of 8 elements)"
+    return None
+
+
+def pick_prefill_backend(backend: str | None, q: torch.Tensor, kv, causal: bool, block_m: int) -> str:
+    """The backend a prefill launch runs on (see the module docstring)."""
+    if backend == "portable" or (backend is None and not HOPPER_PREFILL_BY_DEFAULT):
+        return "portable"
+    reason = prefill_declines(q, kv, causal, block_m)
+    if reason is None:
+        return "hopper"
+    if backend == "hopper":
+        raise ValueError(f"backend='hopper': the Hopper prefill kernel does not run {reason}")
+    return "portable"

@@ -1,0 +1,339 @@
+"""The Hopper (sm_90) prefill kernel: warp-specialised, beside the portable one.
+
+The same work and the same contract as :func:`cascadeinfer.kernels.prefill_kernel.prefill_kernel`
+for the case that dominates a cascade: non-causal, paged K/V, fp16/bf16. One program
+computes one 128-row M tile of packed query rows of one group (row ``r`` = query token
+``r // G``, head ``r % G`` of the KV head's query group), against one KV head's pages in
+one KV split, and writes that tile's state ``(o, lse)``; the grid and the sync-free tile
+map are the portable kernel's, so the launchers and the split merge are shared.
+
+What differs is how a program spends its SM (the ideas of FlashAttention-3):
+
+* **Warp specialisation.** A producer warpgroup gathers the Q rows and every K and V
+  tile through the page table with 16-byte ``cp.async`` into rings of ``K_STAGES`` and
+  ``V_STAGES`` shared-memory slots (the next tile's page ids loaded before it waits for
+  a slot), and signals an mbarrier per tile when its copies land. It holds few registers
+  (``setmaxnreg``), so the consumers get the rest.
+* **Two consumer warpgroups, 64 rows each**, that never wait for each other: each runs
+  ``S = Q Kᵀ`` (``wgmma``, Q and K in shared memory), the online softmax in registers and
+  ``O += P V`` (``wgmma``, P from registers) on its own rows, and releases the slots it
+  read with its own mbarrier arrivals. Tile ``t``'s scores and tile ``t - 1``'s product
+  are issued together, and tile ``t``'s softmax is meant to run under that product.
+
+Status (H100, benchmarks/NOTES.md "Prefix / prefill kernel", v5): it passes its GPU tests
+(``tests/test_prefill_hopper.py``: the float64 reference, edges, splits, NaN/inf, graph
+capture, the cascade) but runs at 0.92-0.95 of the portable kernel's speed, so the
+launchers run it only when asked (``backend="hopper"``). In the SASS, ptxas waits for the
+product in flight (``WARPGROUP.DEPBAR.LE gsb0, 0x0``) at the first shuffle of the softmax's
+row maximum, so the softmax never overlaps a product.
+
+Numerics are the portable kernel's: scores in base 2 (``qk_scale = sm_scale * log2(e)``),
+float32 state, ``finish_state``'s rules for empty rows ``(0, -inf)`` and poisoned rows
+``(NaN, NaN)``, the natural-log LSE at the boundary. Keys past the split's end in its last
+tile are masked; rows past the group's end are neither read nor stored.
+
+Gluon has no interpreter: this kernel runs on a GPU of compute capability 9.0 only, and
+the launchers reach it through :mod:`cascadeinfer.kernels.backend`, which falls back to the
+portable kernel everywhere else.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as ttgl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    async_copy,
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from cascadeinfer.kernels.constants import KERNEL_LN2
+
+BLOCK_M = 128  # two consumer warpgroups of 64 rows
+HALF_M = 64
+
+
+@gluon.jit
+def _producer(
+    q_ptr, k_ptr, v_ptr, page_ptr,
+    q_smem, k_bufs, v_bufs, bars,
+    qo_start, qo_len, row0, kv_head, split_lo, split_hi, n_tiles,
+    stride_qt, stride_qh, stride_kp, stride_kt, stride_kh,
+    GROUP_SIZE: ttgl.constexpr, PAGE_SIZE: ttgl.constexpr, HEAD_DIM: ttgl.constexpr,
+):
+    """Q once, then the K and V tiles of ``[split_lo, split_hi)`` into the ring."""
+    q_bar, k_ready, v_ready, k_empty, v_empty = bars
+    K_STAGES: ttgl.constexpr = k_bufs.shape[0]
+    V_STAGES: ttgl.constexpr = v_bufs.shape[0]
+    BLOCK_N: ttgl.constexpr = k_bufs.shape[1]
+    # Tiles spread over the warpgroup 8 elements (16 bytes: one cp.async) per thread along a row.
+    COLS: ttgl.constexpr = HEAD_DIM // 8  # threads along a row
+    ld: ttgl.constexpr = ttgl.BlockedLayout([1, 8], [32 // COLS, COLS], [4, 1], [1, 0])
+    rows_l: ttgl.constexpr = ttgl.SliceLayout(1, ld)
+    cols = ttgl.expand_dims(ttgl.arange(0, HEAD_DIM, layout=ttgl.SliceLayout(0, ld)), 0)
+
+    # ---- the packed query rows (zeros past the group's end)
+    r = row0 + ttgl.arange(0, 128, layout=rows_l)
+    tok = r // GROUP_SIZE
+    q_off = (qo_start + tok).to(ttgl.int64) * stride_qt + (kv_head * GROUP_SIZE + r % GROUP_SIZE).to(ttgl.int64) * stride_qh
+    q_off = ttgl.multiple_of(q_off, 8)  # the launcher checked: strides are multiples of 8 elements
+    async_copy.async_copy_global_to_shared(q_smem, q_ptr + (ttgl.expand_dims(q_off, 1) + cols),
+                                           mask=ttgl.expand_dims(r < qo_len * GROUP_SIZE, 1))
+    async_copy.mbarrier_arrive(q_bar, increment_count=False)
+
+    # ---- K and V tiles: row j of tile t is key split_lo + t * BLOCK_N + j of the group
+    head_off = kv_head.to(ttgl.int64) * stride_kh  # K and V share every stride (one PagedKV)
+    key = split_lo + ttgl.arange(0, BLOCK_N, layout=rows_l)
+    page = ttgl.load(page_ptr + key // PAGE_SIZE, mask=key < split_hi, other=0)
+    for t in range(n_tiles):
+        ks = t % K_STAGES
+        vs = t % V_STAGES
+        ok = key < split_hi
+        off = page.to(ttgl.int64) * stride_kp + (key % PAGE_SIZE).to(ttgl.int64) * stride_kt + head_off
+        off = ttgl.expand_dims(ttgl.multiple_of(off, 8), 1) + cols
+        row_ok = ttgl.expand_dims(ok, 1)  # rows past the end are zero-filled
+        # The next tile's page ids, loaded before this tile's slots are waited for: the
+        # copies never wait on a page-id load (the portable kernel's rule too).
+        key = key + BLOCK_N
+        page = ttgl.load(page_ptr + key // PAGE_SIZE, mask=key < split_hi, other=0)
+        mbarrier.wait(k_empty.index(ks), ((t // K_STAGES) & 1) ^ 1)  # a fresh slot counts as free
+        async_copy.async_copy_global_to_shared(k_bufs.index(ks), k_ptr + off, mask=row_ok)
+        async_copy.mbarrier_arrive(k_ready.index(ks), increment_count=False)
+        mbarrier.wait(v_empty.index(vs), ((t // V_STAGES) & 1) ^ 1)
+        async_copy.async_copy_global_to_shared(v_bufs.index(vs), v_ptr + off, mask=row_ok)
+        async_copy.mbarrier_arrive(v_ready.index(vs), increment_count=False)
+
+
+@gluon.jit
+def _softmax_tile(qk, l_i, m_i, keys, tile_lo, split_hi, qk_scale, MASK: ttgl.constexpr):
+    """One key tile's online-softmax update (``softmax.online_softmax_step`` without the
+    product): returns the tile's weights ``p``, the factor ``alpha`` that rescales the
+    running output, and the new ``(l, m)``. MASK: keys past the split's end are masked."""
+    if MASK:
+        qk = ttgl.where(ttgl.expand_dims(tile_lo + keys < split_hi, 0), qk, float("-inf"))
+    m_new = ttgl.maximum(m_i, ttgl.max(qk, axis=1) * qk_scale)  # qk_scale > 0 keeps the max
+    # A row whose scores were all -inf (non-finite input) keeps m = -inf: subtract 0
+    # there, so exp2(-inf - 0) = 0 instead of NaN (the portable kernel's masked rule).
+    m_sub = ttgl.where(m_new == float("-inf"), 0.0, m_new)
+    p = ttgl.exp2(qk * qk_scale - ttgl.expand_dims(m_sub, 1))
+    alpha = ttgl.exp2(m_i - m_sub)
+    l_i = l_i * alpha + ttgl.sum(p, axis=1)
+    return p, alpha, l_i, m_new
+
+
+@gluon.jit
+def _next_tile(t, q_rows, k_bufs, v_bufs, bars, acc, p16, l_i, m_i, s_zero, keys, split_lo, split_hi, qk_scale,
+               MASK: ttgl.constexpr):
+    """Tile ``t``'s scores and tile ``t - 1``'s P·V issued together; tile ``t``'s softmax
+    while the product runs; the output rescaled once it is done. Returns the new
+    ``(acc, p16, l, m)``, ``p16`` being tile ``t``'s weights for the next P·V."""
+    _, k_ready, v_ready, k_empty, v_empty = bars
+    K_STAGES: ttgl.constexpr = k_bufs.shape[0]
+    V_STAGES: ttgl.constexpr = v_bufs.shape[0]
+    BLOCK_N: ttgl.constexpr = k_bufs.shape[1]
+    ks = t % K_STAGES
+    vs = (t - 1) % V_STAGES
+    if t >= 2:
+        # Release tile t - 1's K and tile t - 2's V, done since the last iteration's final
+        # wait. Not sooner: an arrival releases every shared-memory read before it, so
+        # with a product in flight ptxas would wait for it there, and it schedules the
+        # arrivals early (at the top of this block, after that wait, they cannot move).
+        mbarrier.arrive(k_empty.index((t - 1) % K_STAGES))
+        mbarrier.arrive(v_empty.index((t - 2) % V_STAGES))
+    mbarrier.wait(k_ready.index(ks), (t // K_STAGES) & 1)
+    fence_async_shared()
+    qk = warpgroup_mma(q_rows, k_bufs.index(ks).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    mbarrier.wait(v_ready.index(vs), ((t - 1) // V_STAGES) & 1)
+    fence_async_shared()
+    acc = warpgroup_mma(p16, v_bufs.index(vs), acc, is_async=True)
+    qk = warpgroup_mma_wait(1, deps=(qk,))  # the scores are done; P·V may still run
+    p, alpha, l_i, m_i = _softmax_tile(qk, l_i, m_i, keys, split_lo + t * BLOCK_N, split_hi, qk_scale, MASK)
+    # The product still reads p16's registers: kept alive to here, they cannot hold the
+    # new weights (else ptxas waits for the product before the softmax).
+    acc, p16 = warpgroup_mma_wait(0, deps=(acc, p16))
+    acc = acc * ttgl.expand_dims(ttgl.convert_layout(alpha, ttgl.SliceLayout(1, acc.type.layout)), 1)
+    p16 = ttgl.convert_layout(p.to(k_bufs.dtype), p16.type.layout)
+    return acc, p16, l_i, m_i
+
+
+@gluon.jit
+def _consumer(
+    q_smem, k_bufs, v_bufs, bars,
+    o_ptr, lse_ptr,
+    qo_start, qo_len, row0, kv_head, split, split_lo, split_hi, n_tiles,
+    stride_ot, stride_os, stride_oh, stride_lt, stride_ls, stride_lh,
+    qk_scale,
+    HALF: ttgl.constexpr, GROUP_SIZE: ttgl.constexpr, HEAD_DIM: ttgl.constexpr,
+):
+    """Rows ``HALF * 64 .. + 64`` of the tile: the key loop, then the finished state."""
+    q_bar, k_ready, v_ready, k_empty, v_empty = bars
+    K_STAGES: ttgl.constexpr = k_bufs.shape[0]
+    V_STAGES: ttgl.constexpr = v_bufs.shape[0]
+    BLOCK_N: ttgl.constexpr = k_bufs.shape[1]
+    s_l: ttgl.constexpr = ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, BLOCK_N, 16])
+    o_l: ttgl.constexpr = ttgl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, HEAD_DIM, 16])
+    p_l: ttgl.constexpr = ttgl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+    row_s: ttgl.constexpr = ttgl.SliceLayout(1, s_l)
+    row_o: ttgl.constexpr = ttgl.SliceLayout(1, o_l)
+    q_rows = q_smem.slice(HALF * 64, 64, dim=0)
+
+    m_i = ttgl.full([64], float("-inf"), ttgl.float32, layout=row_s)
+    l_i = ttgl.full([64], 0.0, ttgl.float32, layout=row_s)
+    acc = ttgl.zeros([64, HEAD_DIM], ttgl.float32, layout=o_l)
+    s_zero = ttgl.zeros([64, BLOCK_N], ttgl.float32, layout=s_l)
+    keys = ttgl.arange(0, BLOCK_N, layout=ttgl.SliceLayout(0, s_l))
+
+    mbarrier.wait(q_bar, 0)
+    if n_tiles > 0:
+        # Tile 0's scores; then every iteration issues tile t's scores and tile t - 1's
+        # P·V together and runs tile t's softmax while that product is still on the tensor
+        # cores (FlashAttention-3's overlap inside a warpgroup). Only the split's last tile
+        # can be partial; it runs in a loop of its own, so that the hot loop has no branch
+        # between a product's issue and its wait (ptxas waits for every product in
+        # flight at a branch).
+        mbarrier.wait(k_ready.index(0), 0)
+        fence_async_shared()  # cp.async wrote through the generic proxy; wgmma reads through the async one
+        qk = warpgroup_mma(q_rows, k_bufs.index(0).permute((1, 0)), s_zero, use_acc=False)
+        mbarrier.arrive(k_empty.index(0))
+        p, _, l_i, m_i = _softmax_tile(qk, l_i, m_i, keys, split_lo, split_hi, qk_scale, True)
+        p16 = ttgl.convert_layout(p.to(k_bufs.dtype), p_l)  # registers only: the layouts line up
+        n_full = ttgl.maximum((split_hi - split_lo) // BLOCK_N, 1)
+        for t in range(1, n_full):
+            acc, p16, l_i, m_i = _next_tile(t, q_rows, k_bufs, v_bufs, bars, acc, p16, l_i, m_i, s_zero, keys,
+                                            split_lo, split_hi, qk_scale, False)
+        for t in range(n_full, n_tiles):
+            acc, p16, l_i, m_i = _next_tile(t, q_rows, k_bufs, v_bufs, bars, acc, p16, l_i, m_i, s_zero, keys,
+                                            split_lo, split_hi, qk_scale, True)
+        if n_tiles >= 2:  # what the last iteration left to release
+            mbarrier.arrive(k_empty.index((n_tiles - 1) % K_STAGES))
+            mbarrier.arrive(v_empty.index((n_tiles - 2) % V_STAGES))
+        last = (n_tiles - 1) % V_STAGES
+        mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // V_STAGES) & 1)
+        fence_async_shared()
+        acc = warpgroup_mma(p16, v_bufs.index(last), acc)
+        mbarrier.arrive(v_empty.index(last))
+
+    # ---- finish (softmax.finish_state's rules) and store
+    l_o = ttgl.convert_layout(l_i, row_o)
+    l_safe = ttgl.where(l_o == 0.0, 1.0, l_o)  # 0: every score was -inf; NaN stays NaN
+    o = acc / ttgl.expand_dims(l_safe, 1)
+    lse = (ttgl.convert_layout(m_i, row_o) + ttgl.log2(l_safe)) * KERNEL_LN2
+    finite = (ttgl.min((ttgl.abs(o) < float("inf")).to(ttgl.int32), axis=1) > 0) & (lse == lse)  # noqa: PLR0124 (NaN fails)
+    lse = ttgl.where(finite, lse, float("nan"))
+    lse = ttgl.where(split_hi > split_lo, lse, float("-inf"))  # no key in this split: the identity
+    o = ttgl.where(ttgl.expand_dims(finite, 1), o, float("nan"))
+    o = ttgl.where(ttgl.expand_dims(lse == float("-inf"), 1), 0.0, o)
+
+    r = row0 + HALF * 64 + ttgl.arange(0, 64, layout=row_o)
+    row_ok = r < qo_len * GROUP_SIZE
+    tok = (qo_start + r // GROUP_SIZE).to(ttgl.int64)
+    head = (kv_head * GROUP_SIZE + r % GROUP_SIZE).to(ttgl.int64)
+    split64 = split.to(ttgl.int64)
+    d = ttgl.arange(0, HEAD_DIM, layout=ttgl.SliceLayout(0, o_l))
+    o_off = tok * stride_ot + split64 * stride_os + head * stride_oh
+    ttgl.store(o_ptr + (ttgl.expand_dims(o_off, 1) + ttgl.expand_dims(d, 0)), o.to(o_ptr.dtype.element_ty),
+               mask=ttgl.expand_dims(row_ok, 1))
+    ttgl.store(lse_ptr + (tok * stride_lt + split64 * stride_ls + head * stride_lh), lse, mask=row_ok)
+
+
+@gluon.jit
+def prefill_kernel_hopper(
+    q_ptr,  # [nnz_qo, num_qo_heads, head_dim] fp16 / bf16
+    k_ptr,  # paged K: [num_pages, page_size, num_kv_heads, head_dim] in any layout (strides)
+    v_ptr,  # paged V, sharing K's page and token strides
+    o_ptr,  # [nnz_qo, num_splits, num_qo_heads, head_dim] q's dtype
+    lse_ptr,  # [nnz_qo, num_splits, num_qo_heads] float32, natural log
+    qo_indptr_ptr,  # [num_groups + 1] int32
+    kv_indptr_ptr,  # [num_groups + 1] int32 pages
+    kv_indices_ptr,  # int32 page ids
+    kv_last_page_len_ptr,  # [num_groups] int32
+    search_steps,  # ceil(log2(num_groups))
+    num_groups,
+    stride_qt,
+    stride_qh,
+    stride_kp,  # K and V share their strides (one PagedKV)
+    stride_kt,
+    stride_kh,
+    stride_ot,
+    stride_os,
+    stride_oh,
+    stride_lt,
+    stride_ls,
+    stride_lh,
+    qk_scale,  # sm_scale * log2(e)
+    GROUP_SIZE: ttgl.constexpr,
+    PAGE_SIZE: ttgl.constexpr,
+    HEAD_DIM: ttgl.constexpr,  # 64 or 128
+    BLOCK_N: ttgl.constexpr,
+    K_STAGES: ttgl.constexpr,  # shared-memory slots of K tiles
+    V_STAGES: ttgl.constexpr,  # of V tiles
+    PRODUCER_REGS: ttgl.constexpr,
+    CONSUMER_REGS: ttgl.constexpr,
+):
+    tile = ttgl.program_id(0)
+    kv_head = ttgl.program_id(1)
+    split = ttgl.program_id(2)
+    num_splits = ttgl.num_programs(2)
+
+    # ---- the group owning this tile: prefill_kernel's binary search over qo_indptr
+    lo_g = num_groups * 0
+    hi_g = num_groups
+    for _ in range(search_steps):
+        mid = (lo_g + hi_g) // 2
+        mid_start = (ttgl.load(qo_indptr_ptr + mid) * GROUP_SIZE + mid * 127) // 128
+        go_right = mid_start <= tile
+        lo_g = ttgl.where(go_right, mid, lo_g)
+        hi_g = ttgl.where(go_right, hi_g, mid)
+    qo_start = ttgl.load(qo_indptr_ptr + lo_g)
+    qo_len = ttgl.load(qo_indptr_ptr + lo_g + 1) - qo_start
+    local_tile = tile - (qo_start * GROUP_SIZE + lo_g * 127) // 128
+    kv_start = ttgl.load(kv_indptr_ptr + lo_g)
+    kv_end = ttgl.load(kv_indptr_ptr + lo_g + 1)
+    last_len = ttgl.load(kv_last_page_len_ptr + lo_g)
+    kv_len = ttgl.where(kv_end > kv_start, (kv_end - kv_start - 1) * PAGE_SIZE + last_len, 0)
+    row0 = local_tile * 128
+    if row0 >= qo_len * GROUP_SIZE:
+        return  # a slot of the upper-bound grid that holds no tile
+    chunk = ttgl.cdiv(ttgl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+    split_lo = split * chunk
+    split_hi = ttgl.minimum(split_lo + chunk, kv_len)
+    n_tiles = ttgl.cdiv(ttgl.maximum(split_hi - split_lo, 0), BLOCK_N)
+    page_ptr = kv_indices_ptr + kv_start
+
+    dtype: ttgl.constexpr = q_ptr.dtype.element_ty
+    q_sl: ttgl.constexpr = ttgl.NVMMASharedLayout.get_default_for([128, HEAD_DIM], dtype)
+    kv_sl: ttgl.constexpr = ttgl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    q_smem = ttgl.allocate_shared_memory(dtype, [128, HEAD_DIM], q_sl)
+    k_bufs = ttgl.allocate_shared_memory(dtype, [K_STAGES, BLOCK_N, HEAD_DIM], kv_sl)
+    v_bufs = ttgl.allocate_shared_memory(dtype, [V_STAGES, BLOCK_N, HEAD_DIM], kv_sl)
+    q_bar = ttgl.allocate_shared_memory(ttgl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = ttgl.allocate_shared_memory(ttgl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = ttgl.allocate_shared_memory(ttgl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = ttgl.allocate_shared_memory(ttgl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = ttgl.allocate_shared_memory(ttgl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+    # cp.async arrivals count threads (one .noinc arrival per producer thread); each
+    # consumer warpgroup arrives once per slot. K and V slots are freed apart: a K tile is
+    # done with its scores, a V tile a softmax later.
+    mbarrier.init(q_bar, count=128)
+    for i in ttgl.static_range(K_STAGES):
+        mbarrier.init(k_ready.index(i), count=128)
+        mbarrier.init(k_empty.index(i), count=2)
+    for i in ttgl.static_range(V_STAGES):
+        mbarrier.init(v_ready.index(i), count=128)
+        mbarrier.init(v_empty.index(i), count=2)
+    bars = (q_bar, k_ready, v_ready, k_empty, v_empty)
+    ttgl.warp_specialize([
+        (_consumer, (q_smem, k_bufs, v_bufs, bars, o_ptr, lse_ptr,
+                     qo_start, qo_len, row0, kv_head, split, split_lo, split_hi, n_tiles,
+                     stride_ot, stride_os, stride_oh, stride_lt, stride_ls, stride_lh, qk_scale,
+                     0, GROUP_SIZE, HEAD_DIM)),
+        (_consumer, (q_smem, k_bufs, v_bufs, bars, o_ptr, lse_ptr,
+                     qo_start, qo_len, row0, kv_head, split, split_lo, split_hi, n_tiles,
+                     stride_ot, stride_os, stride_oh, stride_lt, stride_ls, stride_lh, qk_scale,
+                     1, GROUP_SIZE, HEAD_DIM)),
+        (_producer, (q_ptr, k_ptr, v_ptr, page_ptr, q_smem, k_bufs, v_bufs, bars,
+                     qo_start, qo_len, row0, kv_head, split_lo, split_hi, n_tiles,
+                     stride_qt, stride_qh, stride_kp, stride_kt, stride_kh, GROUP_SIZE, PAGE_SIZE, HEAD_DIM)),
+    ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])

@@ -1,0 +1,285 @@
+"""The Hopper prefill kernel beside the portable one: dispatch everywhere, numerics on a GPU.
+
+On a CPU (CI) only the dispatch runs: the argument, the reasons the Hopper kernel declines
+a launch, and the portable fallback. On a GPU of compute capability 9.0 every case runs
+through both backends against the float64 reference (poisoned outputs, empty groups, key
+length 1, page sizes 1/5/16/64, full last pages, GQA 1-16, head_dim 64/128, fp16/bf16,
+NHD/HND, both cache forms, forced splits, strided q and out, NaN/inf planted, CUDA-graph
+capture, the cascade).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_prefill import TOL, check_state, make_paged, poisoned
+
+from cascadeinfer import MultiLevelCascadeAttention, batch_prefill_paged
+from cascadeinfer.kernels import backend as B
+from cascadeinfer.kernels import prefill as P
+from cascadeinfer.layouts.indptr import indptr_from_lengths
+from cascadeinfer.layouts.paged_cache import unpack_paged_kv_cache
+
+HOPPER = torch.cuda.is_available() and B.hopper_unavailable(torch.device("cuda")) is None
+hopper_gpu = pytest.mark.skipif(not HOPPER, reason="needs a GPU of compute capability 9.0")
+BACKENDS = ["portable", "hopper"]
+
+
+def _case(device, *, qo_lens, kv_lens, hkv, group, head_dim, dtype, page_size, layout="NHD", form="single", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    cache, table = make_paged(device, kv_lens=kv_lens, page_size=page_size, num_kv_heads=hkv, head_dim=head_dim,
+                              dtype=dtype, layout=layout, form=form, gen=gen)
+    q = torch.randn((sum(qo_lens), hkv * group, head_dim), generator=gen).to(dtype).to(device)
+    qo_indptr = indptr_from_lengths(qo_lens, device=device)
+    return q, (q, qo_indptr, cache, table.kv_indptr, table.kv_indices, table.kv_last_page_len)
+
+
+# ------------------------------------------------------------------ dispatch (every machine)
+
+
+def test_backend_argument_is_checked(device):
+    _, args = _case(device, qo_lens=[3], kv_lens=[20], hkv=1, group=2, head_dim=16, dtype=torch.float32,
+                    page_size=4)
+    with pytest.raises(ValueError, match="backend"):
+        batch_prefill_paged(*args, backend="fast")
+
+
+@pytest.mark.skipif(HOPPER, reason="checks the fallback where the Hopper kernel cannot run")
+def test_hopper_declines_here_and_portable_runs(device):
+    q, args = _case(device, qo_lens=[40], kv_lens=[300], hkv=1, group=4, head_dim=64, dtype=torch.bfloat16,
+                    page_size=16)
+    with pytest.raises(ValueError, match="backend='hopper'"):
+        batch_prefill_paged(*args, backend="hopper")
+    ref = P.batch_prefill_paged_ref(*args)
+    for backend in (None, "portable"):
+        out, lse = poisoned(q)
+        batch_prefill_paged(*args, out=out, lse=lse, backend=backend)
+        check_state(out, lse, *ref, torch.bfloat16)
+
+
+def _meta_source(*, page_size=16, hkv=8, d=128, dtype=torch.bfloat16, layout="NHD", paged=True):
+    cache = torch.empty((64, 2, page_size, hkv, d) if layout == "NHD" else (64, 2, hkv, page_size, d),
+                        dtype=dtype, device="meta")
+    kv = unpack_paged_kv_cache(cache, layout)
+    i32 = torch.empty(2, dtype=torch.int32, device="meta")
+    source = P.paged_source(kv, i32, i32, i32)
+    if not paged:
+        source = P.KVSource(kv.k, kv.v, False, 1, hkv, (0, *source.k_strides[1:]), (0, *source.v_strides[1:]), i32)
+    return source
+
+
+class _FakeTensor:
+    """Stands in for q where only device, dtype, shape, strides and address are read."""
+
+    def __init__(self, shape, dtype=torch.bfloat16, strides=None, ptr=0):
+        self.device, self.dtype, self.shape = torch.device("cuda", 0), dtype, shape
+        self._strides = strides or (shape[1] * shape[2], shape[2], 1)
+        self._ptr = ptr
+
+    def stride(self, dim):
+        return self._strides[dim]
+
+    def data_ptr(self):
+        return self._ptr
+
+
+@pytest.mark.parametrize("change,reason", [
+    (dict(causal=True), "causal"),
+    (dict(paged=False), "contiguous"),
+    (dict(dtype=torch.float32), "dtype"),
+    (dict(head_dim=96), "head_dim 96"),
+    (dict(block_m=64), "64 packed rows"),
+    (dict(q_strides=(32 * 128 + 4, 128, 1)), "16-byte"),
+    (dict(q_ptr=8), "16-byte"),
+    (dict(), None),
+])
+def test_prefill_declines_reasons(monkeypatch, change, reason):
+    """What the Hopper kernel takes on a Hopper GPU (the device check faked), and why not."""
+    monkeypatch.setattr(B, "hopper_unavailable", lambda device: None)
+    d = change.get("head_dim", 128)
+    dtype = change.get("dtype", torch.bfloat16)
+    q = _FakeTensor((100, 32, d), dtype, change.get("q_strides"), change.get("q_ptr", 0))
+    kv = _meta_source(d=d, dtype=dtype, paged=change.get("paged", True))
+    got = B.prefill_declines(q, _AlignedKV(kv), change.get("causal", False), change.get("block_m", 128))
+    if reason is None:
+        assert got is None
+        assert B.pick_prefill_backend("hopper", q, _AlignedKV(kv), False, 128) == "hopper"
+        assert B.pick_prefill_backend("portable", q, _AlignedKV(kv), False, 128) == "portable"
+        # None takes it only once it is measured faster (benchmarks/NOTES.md)
+        expect = "hopper" if B.HOPPER_PREFILL_BY_DEFAULT else "portable"
+        assert B.pick_prefill_backend(None, q, _AlignedKV(kv), False, 128) == expect
+        monkeypatch.setattr(B, "HOPPER_PREFILL_BY_DEFAULT", True)
+        assert B.pick_prefill_backend(None, q, _AlignedKV(kv), False, 128) == "hopper"
+    else:
+        assert reason in got
+        assert B.pick_prefill_backend(None, q, _AlignedKV(kv), change.get("causal", False),
+                                      change.get("block_m", 128)) == "portable"
+        with pytest.raises(ValueError, match=reason):
+            B.pick_prefill_backend("hopper", q, _AlignedKV(kv), change.get("causal", False),
+                                   change.get("block_m", 128))
+
+
+class _AlignedKV:
+    """A meta KVSource whose tensors report 16-byte aligned addresses."""
+
+    def __init__(self, kv):
+        self._kv = kv
+        self.k = self.v = _FakeTensor((1, 1, 1))
+
+    def __getattr__(self, name):
+        return getattr(self._kv, name)
+
+
+def test_hopper_unavailable_reasons(monkeypatch):
+    assert "cpu device" in B.hopper_unavailable(torch.device("cpu"))
+    monkeypatch.setattr(B, "_capability", lambda index: (8, 0))
+    assert "8.0" in B.hopper_unavailable(torch.device("cuda", 0))
+    monkeypatch.setattr(B, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(B.triton, "__version__", "3.7.0")
+    assert "Triton 3.7.0" in B.hopper_unavailable(torch.device("cuda", 0))
+    monkeypatch.setattr(B.triton, "__version__", "3.6.0")
+    assert B.hopper_unavailable(torch.device("cuda", 0)) is None
+
+
+# ------------------------------------------------------------------ numerics (Hopper GPUs)
+
+# (qo_lens, kv_lens, Hkv, G, D, dtype, page_size, layout, form): every group of >= 65 packed
+# rows somewhere, so the 128-row tiles (and with them the Hopper kernel) are used.
+CASES = [
+    # empty groups (no queries, no keys, neither), key length 1, a partial last tile
+    ([40, 0, 33, 17, 5], [600, 50, 1000, 0, 1], 2, 4, 128, torch.bfloat16, 16, "NHD", "single"),
+    # GQA 1 (128 single-head rows), one key, page 1, fp16, HND, the tuple form
+    ([130], [1], 1, 1, 64, torch.float16, 1, "HND", "tuple"),
+    # page size 5 (not a power of two), GQA 8, a long group
+    ([20, 20], [32, 4103], 4, 8, 128, torch.float16, 5, "NHD", "single"),
+    # GQA 16, page 64, every last page full, HND
+    ([17, 9], [2048, 640], 2, 16, 64, torch.bfloat16, 64, "HND", "single"),
+    # GQA 2, D 128 in HND, tuple form, a tile boundary exactly at the end
+    ([70], [1024], 3, 2, 128, torch.bfloat16, 16, "HND", "tuple"),
+]
+
+
+@hopper_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("qo_lens,kv_lens,hkv,group,head_dim,dtype,page_size,layout,form", CASES)
+def test_hopper_matches_reference(backend, qo_lens, kv_lens, hkv, group, head_dim, dtype, page_size, layout, form):
+    device = torch.device("cuda")
+    q, args = _case(device, qo_lens=qo_lens, kv_lens=kv_lens, hkv=hkv, group=group, head_dim=head_dim,
+                    dtype=dtype, page_size=page_size, layout=layout, form=form)
+    ref = P.batch_prefill_paged_ref(*args, kv_layout=layout)
+    out, lse = poisoned(q)
+    batch_prefill_paged(*args, kv_layout=layout, out=out, lse=lse, backend=backend)
+    check_state(out, lse, *ref, dtype)
+
+
+@hopper_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 8])
+def test_hopper_splits(num_splits):
+    """One group of 64 queries x G 4 over 8229 keys (a partial last tile) in 1-8 splits,
+    the partial states merged; the split count the cascade's planner forces."""
+    device = torch.device("cuda")
+    q, args = _case(device, qo_lens=[64], kv_lens=[8229], hkv=8, group=4, head_dim=128, dtype=torch.bfloat16,
+                    page_size=16, seed=3)
+    ref = P.batch_prefill_paged_ref(*args)
+    out, lse = poisoned(q)
+    batch_prefill_paged(*args, out=out, lse=lse, num_splits=num_splits, backend="hopper")
+    check_state(out, lse, *ref, torch.bfloat16)
+
+
+@hopper_gpu
+@pytest.mark.gpu
+def test_hopper_strided_q_and_out():
+    device = torch.device("cuda")
+    gen = torch.Generator().manual_seed(4)
+    cache, table = make_paged(device, kv_lens=[500, 77], page_size=16, num_kv_heads=2, head_dim=128,
+                              dtype=torch.bfloat16, gen=gen)
+    big = torch.randn((90, 3, 8, 128), generator=gen).to(torch.bfloat16).to(device)
+    q = big[:, 1]  # token stride 3 * 8 * 128
+    out = torch.full((90, 8, 2, 128), math.nan, dtype=torch.bfloat16, device=device)[:, :, 0]
+    lse = torch.full((8, 90), math.nan, device=device).t()
+    args = (q, indptr_from_lengths([50, 40], device=device), cache, table.kv_indptr, table.kv_indices,
+            table.kv_last_page_len)
+    batch_prefill_paged(*args, out=out, lse=lse, backend="hopper")
+    check_state(out, lse, *P.batch_prefill_paged_ref(*args), torch.bfloat16)
+
+
+@hopper_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+@pytest.mark.parametrize("where", ["k", "v"])
+def test_hopper_nonfinite_poisons_its_group(value, where):
+    """A non-finite key or value poisons exactly the rows that see it (its group's), as in
+    the float64 reference; the other group is untouched."""
+    device = torch.device("cuda")
+    q, args = _case(device, qo_lens=[40, 40], kv_lens=[300, 300], hkv=2, group=4, head_dim=128,
+                    dtype=torch.bfloat16, page_size=16, seed=5)
+    cache, kv_indices = args[2], args[4]
+    cache[kv_indices[3].item(), 0 if where == "k" else 1, 7, 1, 5] = value  # group 0, token 55, kv head 1
+    ref_o, ref_lse = P.batch_prefill_paged_ref(*args)
+    out, lse = poisoned(q)
+    batch_prefill_paged(*args, out=out, lse=lse, backend="hopper")
+    bad = torch.isnan(ref_lse.to(device))
+    assert bad.any() and torch.equal(torch.isnan(lse), bad)
+    assert torch.isnan(out[bad]).all()
+    o_tol, lse_tol, _ = TOL[torch.bfloat16]
+    torch.testing.assert_close(out[~bad].double(), ref_o.to(device)[~bad], atol=o_tol, rtol=o_tol)
+    torch.testing.assert_close(lse[~bad].double(), ref_lse.to(device)[~bad], atol=lse_tol, rtol=lse_tol)
+
+
+@hopper_gpu
+@pytest.mark.gpu
+def test_hopper_cuda_graph_replays_new_inputs():
+    device = torch.device("cuda")
+    q, args = _case(device, qo_lens=[64, 30], kv_lens=[2000, 700], hkv=8, group=4, head_dim=128,
+                    dtype=torch.bfloat16, page_size=16, seed=6)
+    out, lse = poisoned(q)
+    batch_prefill_paged(*args, out=out, lse=lse, validate=False, backend="hopper")  # compile and record
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        batch_prefill_paged(*args, out=out, lse=lse, validate=False, backend="hopper")
+    q.copy_(torch.randn_like(q))
+    args[2].copy_(torch.randn_like(args[2]))
+    out.fill_(math.nan)
+    graph.replay()
+    torch.cuda.synchronize()
+    check_state(out, lse, *P.batch_prefill_paged_ref(*args), torch.bfloat16)
+
+
+@hopper_gpu
+@pytest.mark.gpu
+def test_hopper_in_the_cascade(monkeypatch):
+    """A two-level cascade whose prefix level (64 queries x G 4 over 4096 keys) runs on the
+    Hopper kernel (made the default here), against the flat reference."""
+    monkeypatch.setattr(B, "HOPPER_PREFILL_BY_DEFAULT", True)
+    device = torch.device("cuda")
+    gen = torch.Generator().manual_seed(7)
+    batch, prefix, hkv, group, d, ps = 64, 4096, 8, 4, 128, 16
+    suffix = [int(x) for x in torch.randint(1, 300, (batch,), generator=gen)]
+    pages_prefix = prefix // ps
+    suffix_pages = [-(-s // ps) for s in suffix]
+    num_pages = pages_prefix + sum(suffix_pages) + 2
+    cache = torch.randn((num_pages, 2, ps, hkv, d), generator=gen).to(torch.bfloat16).to(device)
+    q = torch.randn((batch, hkv * group, d), generator=gen).to(torch.bfloat16).to(device)
+    i32 = dict(dtype=torch.int32, device=device)
+    starts = [pages_prefix]
+    for n in suffix_pages:
+        starts.append(starts[-1] + n)
+    casc = MultiLevelCascadeAttention(2, device=device)
+    casc.plan(
+        [torch.tensor([0, batch], **i32), torch.arange(batch + 1, **i32)],
+        [torch.tensor([0, pages_prefix], **i32), torch.tensor(starts, **i32) - pages_prefix],
+        [torch.arange(pages_prefix, **i32), torch.arange(pages_prefix, starts[-1], **i32)],
+        [torch.tensor([ps], **i32), torch.tensor([(s - 1) % ps + 1 for s in suffix], **i32)],
+        hkv * group, hkv, d, ps, use_cascade=True)
+    o, lse = casc.run(q, cache, return_lse=True)
+    flat_indptr = torch.tensor([0] + [pages_prefix * (i + 1) + starts[i + 1] - pages_prefix for i in range(batch)],
+                               **i32)
+    flat_indices = torch.cat([torch.cat([torch.arange(pages_prefix, **i32),
+                                         torch.arange(starts[i], starts[i + 1], **i32)]) for i in range(batch)])
+    ref = P.batch_prefill_paged_ref(q, torch.arange(batch + 1, **i32), cache, flat_indptr, flat_indices,
+                                    torch.tensor([(s - 1) % ps + 1 for s in suffix], **i32))
+    check_state(o, lse, *ref, torch.bfloat16)
