@@ -93,6 +93,8 @@ class _FakeTensor:
     (dict(block_m=64), "64 packed rows"),
     (dict(q_strides=(32 * 128 + 4, 128, 1)), "16-byte"),
     (dict(q_ptr=8), "16-byte"),
+    (dict(page_size=5), "page size 5"),
+    (dict(page_size=256), "page size 256"),
     (dict(), None),
 ])
 def test_prefill_declines_reasons(monkeypatch, change, reason):
@@ -101,7 +103,7 @@ def test_prefill_declines_reasons(monkeypatch, change, reason):
     d = change.get("head_dim", 128)
     dtype = change.get("dtype", torch.bfloat16)
     q = _FakeTensor((100, 32, d), dtype, change.get("q_strides"), change.get("q_ptr", 0))
-    kv = _meta_source(d=d, dtype=dtype, paged=change.get("paged", True))
+    kv = _meta_source(d=d, dtype=dtype, paged=change.get("paged", True), page_size=change.get("page_size", 16))
     got = B.prefill_declines(q, _AlignedKV(kv), change.get("causal", False), change.get("block_m", 128))
     if reason is None:
         assert got is None
@@ -132,6 +134,28 @@ class _AlignedKV:
         return getattr(self._kv, name)
 
 
+@pytest.mark.parametrize("layout,form", [("NHD", "single"), ("HND", "single"), ("NHD", "tuple"), ("HND", "tuple")])
+def test_tma_rows_address_every_slot(layout, form):
+    """The 2-D view the TMA descriptors take: every (page, head, slot) row of K and V found
+    where the kernel computes it, and the view inside the storage."""
+    gen = torch.Generator().manual_seed(9)
+    cache, _ = make_paged(torch.device("cpu"), kv_lens=[40], page_size=8, num_kv_heads=3, head_dim=16,
+                          dtype=torch.float32, layout=layout, form=form, gen=gen, spare_pages=2)
+    kv = unpack_paged_kv_cache(cache, layout)
+    source = P.paged_source(kv, *(torch.zeros(2, dtype=torch.int32),) * 3)
+    rows = B.tma_rows(source)
+    stride_page, stride_token, stride_head = source.k_strides
+    for t in (kv.k, kv.v):
+        view = torch.as_strided(t, (rows, stride_token), (stride_token, 1))  # raises if past the storage
+        for p in range(t.shape[0]):
+            for h in range(3):
+                head_row, head_col = (h * stride_head) // stride_token, (h * stride_head) % stride_token
+                for s in range(8):
+                    got = view[p * (stride_page // stride_token) + head_row + s, head_col:head_col + 16]
+                    want = t[p, s, h] if layout == "NHD" else t[p, h, s]
+                    assert torch.equal(got, want)
+
+
 def test_hopper_unavailable_reasons(monkeypatch):
     assert "cpu device" in B.hopper_unavailable(torch.device("cpu"))
     monkeypatch.setattr(B, "_capability", lambda index: (8, 0))
@@ -150,10 +174,12 @@ def test_hopper_unavailable_reasons(monkeypatch):
 CASES = [
     # empty groups (no queries, no keys, neither), key length 1, a partial last tile
     ([40, 0, 33, 17, 5], [600, 50, 1000, 0, 1], 2, 4, 128, torch.bfloat16, 16, "NHD", "single"),
-    # GQA 1 (128 single-head rows), one key, page 1, fp16, HND, the tuple form
-    ([130], [1], 1, 1, 64, torch.float16, 1, "HND", "tuple"),
-    # page size 5 (not a power of two), GQA 8, a long group
-    ([20, 20], [32, 4103], 4, 8, 128, torch.float16, 5, "NHD", "single"),
+    # GQA 1 (128 single-head rows), one key, page 8, fp16, HND, the tuple form
+    ([130], [1], 1, 1, 64, torch.float16, 8, "HND", "tuple"),
+    # page size 32, GQA 8, a long group whose last page is partial
+    ([20, 20], [32, 4103], 4, 8, 128, torch.float16, 32, "NHD", "single"),
+    # page size 128 (one TMA box per tile), several whole tiles
+    ([40], [2000], 2, 4, 128, torch.bfloat16, 128, "NHD", "single"),
     # GQA 16, page 64, every last page full, HND
     ([17, 9], [2048, 640], 2, 16, 64, torch.bfloat16, 64, "HND", "single"),
     # GQA 2, D 128 in HND, tuple form, a tile boundary exactly at the end

@@ -7,9 +7,11 @@ launcher that has one takes ``backend``:
 
 * ``None`` (default): the device-specific kernel where it runs (device, Triton version,
   shapes; see :func:`prefill_declines`) and is measured faster, else the portable kernel
-  — silently, since both give the same answer. The Hopper prefill kernel is not yet
-  faster than the portable one anywhere (benchmarks/NOTES.md, "Prefix / prefill kernel",
-  v5), so ``None`` runs the portable kernel.
+  — silently, since both give the same answer. The Hopper prefill kernel is 1.07-1.17x
+  the portable one (benchmarks/NOTES.md, "Prefix / prefill kernel", v5), but its launches
+  are not yet replayed from recordings (their TMA descriptors hold the cache's address),
+  so an eager call would pay Triton's whole launch path; ``None`` runs the portable
+  kernel until they are.
 * ``"portable"``: always the portable ``tl.dot`` kernel (the reference; what the CPU
   interpreter runs).
 * ``"hopper"``: the Hopper kernel, or a ``ValueError`` saying why it cannot run here.
@@ -31,8 +33,9 @@ BACKENDS = ("portable", "hopper")
 # Triton versions the Hopper kernels were tested with (Gluon's API moves between releases).
 HOPPER_TRITON_VERSIONS = ("3.6.",)
 
-# Whether backend=None picks the Hopper prefill kernel where it runs: only once it is
-# measured at least 10% faster than the portable kernel (it is 0.92-0.95 of its speed).
+# Whether backend=None picks the Hopper prefill kernel where it runs: only where it is at
+# least 10% faster than the portable kernel (1.07-1.17x, more with longer key ranges per
+# program) and once its launches replay from recordings like the others (eager host cost).
 HOPPER_PREFILL_BY_DEFAULT = False
 
 # The Hopper prefill kernel's head dims and (BLOCK_N, K slots, V slots) for each: shared
@@ -71,7 +74,8 @@ def prefill_declines(q: torch.Tensor, kv, causal: bool, block_m: int) -> str | N
     It takes non-causal attention over a paged cache, fp16/bf16, head_dim 64 or 128, where
     the portable kernel would use 128-row tiles (groups of at least 65 packed rows: the
     prefix levels of a cascade), with every row 16-byte aligned (strides multiples of 8
-    elements) for its ``cp.async`` gathers. ``kv`` is the launchers' ``KVSource``.
+    elements), pages of 8-128 tokens dividing its 128-key tiles and a layout its TMA
+    descriptors can address (:func:`tma_rows`). ``kv`` is the launchers' ``KVSource``.
     """
     reason = hopper_unavailable(q.device)
     if reason is not None:
@@ -89,7 +93,30 @@ def prefill_declines(q: torch.Tensor, kv, causal: bool, block_m: int) -> str | N
     strides = (q.stride(0), q.stride(1), *kv.k_strides)
     if any(s % 8 for s in strides) or any(t.data_ptr() % 16 for t in (q, kv.k, kv.v)):
         return "rows not 16-byte aligned (strides must be multiples of 8 elements)"
+    if kv.page_size % 8 or 128 % kv.page_size:
+        return f"page size {kv.page_size} (8, 16, 32, 64 or 128: whole pages are its TMA boxes)"
+    if tma_rows(kv) is None:
+        return "a cache layout whose pages are not whole rows of its token stride"
     return None
+
+
+def tma_rows(kv) -> int | None:
+    """Rows of the 2-D view the Hopper kernel's TMA descriptors take of a paged K or V:
+    rows of ``stride_token`` elements, in which page ``p``'s slot ``s`` of head ``h`` is row
+    ``p * (stride_page // stride_token) + (h * stride_head) // stride_token + s`` at column
+    ``(h * stride_head) % stride_token`` (NHD: heads side by side in a row; HND: a head's
+    slots are rows). None where the layout has no such view, or its rows overflow int32."""
+    num_pages = kv.k.shape[0]
+    stride_page, stride_token, stride_head = kv.k_strides
+    head_dim = kv.k.shape[-1]
+    if stride_token <= 0 or stride_page % stride_token:
+        return None
+    last_head = (kv.num_kv_heads - 1) * stride_head
+    if any((h * stride_head) % stride_token + head_dim > stride_token for h in (0, kv.num_kv_heads - 1)):
+        return None
+    end = (num_pages - 1) * stride_page + last_head + (kv.page_size - 1) * stride_token + head_dim
+    rows = -(-end // stride_token)
+    return rows if rows < 2**31 else None
 
 
 def pick_prefill_backend(backend: str | None, q: torch.Tensor, kv, causal: bool, block_m: int) -> str:

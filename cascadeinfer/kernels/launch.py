@@ -268,6 +268,8 @@ class Recording:
                     *(given[p.name] if p.name in given else p.default for p in kernel.params)]
             head = _HEAD
             meta = {}
+        if any(isinstance(getattr(a, "base", None), torch.Tensor) for a in args):
+            self.valid = False  # a TMA descriptor holds an address a replay could not re-point
         roots, scratch, counts, views, kept, keep = [], [], [], {}, list(args), []
         for i, a in enumerate(args):
             if i < head or not isinstance(a, torch.Tensor):

@@ -9,23 +9,27 @@ map are the portable kernel's, so the launchers and the split merge are shared.
 
 What differs is how a program spends its SM (the ideas of FlashAttention-3):
 
-* **Warp specialisation.** A producer warpgroup gathers the Q rows and every K and V
-  tile through the page table with 16-byte ``cp.async`` into rings of ``K_STAGES`` and
-  ``V_STAGES`` shared-memory slots (the next tile's page ids loaded before it waits for
-  a slot), and signals an mbarrier per tile when its copies land. It holds few registers
+* **Warp specialisation.** A producer warpgroup fills rings of ``K_STAGES`` and
+  ``V_STAGES`` shared-memory slots: a whole key tile by TMA, one ``[PAGE_SIZE, HEAD_DIM]``
+  box per page (one thread issues them; the page ids are the box coordinates, so there
+  are no per-row addresses), signalled by the bytes it expects on the slot's mbarrier;
+  the split's partial last tile by a ``cp.async`` gather that zero-fills the rows past
+  its end (a box would bring in whatever the pool holds there). It holds few registers
   (``setmaxnreg``), so the consumers get the rest.
 * **Two consumer warpgroups, 64 rows each**, that never wait for each other: each runs
   ``S = Q Kᵀ`` (``wgmma``, Q and K in shared memory), the online softmax in registers and
   ``O += P V`` (``wgmma``, P from registers) on its own rows, and releases the slots it
   read with its own mbarrier arrivals. Tile ``t``'s scores and tile ``t - 1``'s product
-  are issued together, and tile ``t``'s softmax is meant to run under that product.
+  are issued together.
 
 Status (H100, benchmarks/NOTES.md "Prefix / prefill kernel", v5): it passes its GPU tests
 (``tests/test_prefill_hopper.py``: the float64 reference, edges, splits, NaN/inf, graph
-capture, the cascade) but runs at 0.92-0.95 of the portable kernel's speed, so the
-launchers run it only when asked (``backend="hopper"``). In the SASS, ptxas waits for the
+capture, the cascade) and runs 1.07-1.17x the portable kernel's speed (0.58-0.81 of the
+matmul rate). The launchers run it when asked (``backend="hopper"``): its TMA
+descriptors hold the cache's address, so its launches are not replayed from recordings
+yet, and an eager call pays Triton's launch path. In the SASS, ptxas waits for the
 product in flight (``WARPGROUP.DEPBAR.LE gsb0, 0x0``) at the first shuffle of the softmax's
-row maximum, so the softmax never overlaps a product.
+row maximum, so the softmax does not overlap a product of its own warpgroup.
 
 Numerics are the portable kernel's: scores in base 2 (``qk_scale = sm_scale * log2(e)``),
 float32 state, ``finish_state``'s rules for empty rows ``(0, -inf)`` and poisoned rows
@@ -43,6 +47,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     async_copy,
     fence_async_shared,
     mbarrier,
+    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -54,18 +59,38 @@ HALF_M = 64
 
 
 @gluon.jit
+def _gather_tile(dst, src_ptr, page_ptr, key, split_hi, head_off, stride_kp, stride_kt,
+                 PAGE_SIZE: ttgl.constexpr, HEAD_DIM: ttgl.constexpr):
+    """cp.async rows ``key`` ([BLOCK_N], a gather layout) of a paged K or V into ``dst``,
+    rows past ``split_hi`` zero-filled (a TMA box would bring in whatever the pool holds
+    there, and a non-finite value times a zero weight is NaN)."""
+    COLS: ttgl.constexpr = HEAD_DIM // 8
+    ld: ttgl.constexpr = ttgl.BlockedLayout([1, 8], [32 // COLS, COLS], [4, 1], [1, 0])
+    cols = ttgl.expand_dims(ttgl.arange(0, HEAD_DIM, layout=ttgl.SliceLayout(0, ld)), 0)
+    ok = key < split_hi
+    page = ttgl.load(page_ptr + key // PAGE_SIZE, mask=ok, other=0)
+    off = page.to(ttgl.int64) * stride_kp + (key % PAGE_SIZE).to(ttgl.int64) * stride_kt + head_off
+    off = ttgl.expand_dims(ttgl.multiple_of(off, 8), 1) + cols
+    async_copy.async_copy_global_to_shared(dst, src_ptr + off, mask=ttgl.expand_dims(ok, 1))
+
+
+@gluon.jit
 def _producer(
-    q_ptr, k_ptr, v_ptr, page_ptr,
+    q_ptr, k_ptr, v_ptr, k_desc, v_desc, page_ptr,
     q_smem, k_bufs, v_bufs, bars,
     qo_start, qo_len, row0, kv_head, split_lo, split_hi, n_tiles,
     stride_qt, stride_qh, stride_kp, stride_kt, stride_kh,
     GROUP_SIZE: ttgl.constexpr, PAGE_SIZE: ttgl.constexpr, HEAD_DIM: ttgl.constexpr,
 ):
-    """Q once, then the K and V tiles of ``[split_lo, split_hi)`` into the ring."""
+    """Q once, then the K and V tiles of ``[split_lo, split_hi)`` into their rings: whole
+    tiles by TMA, one box per page, issued by one thread (no per-row addresses); the
+    split's partial last tile by a cp.async gather that zero-fills the rows past its end."""
     q_bar, k_ready, v_ready, k_empty, v_empty = bars
     K_STAGES: ttgl.constexpr = k_bufs.shape[0]
     V_STAGES: ttgl.constexpr = v_bufs.shape[0]
     BLOCK_N: ttgl.constexpr = k_bufs.shape[1]
+    PAGES: ttgl.constexpr = BLOCK_N // PAGE_SIZE
+    TILE_BYTES: ttgl.constexpr = BLOCK_N * HEAD_DIM * 2
     # Tiles spread over the warpgroup 8 elements (16 bytes: one cp.async) per thread along a row.
     COLS: ttgl.constexpr = HEAD_DIM // 8  # threads along a row
     ld: ttgl.constexpr = ttgl.BlockedLayout([1, 8], [32 // COLS, COLS], [4, 1], [1, 0])
@@ -79,29 +104,45 @@ def _producer(
     q_off = ttgl.multiple_of(q_off, 8)  # the launcher checked: strides are multiples of 8 elements
     async_copy.async_copy_global_to_shared(q_smem, q_ptr + (ttgl.expand_dims(q_off, 1) + cols),
                                            mask=ttgl.expand_dims(r < qo_len * GROUP_SIZE, 1))
-    async_copy.mbarrier_arrive(q_bar, increment_count=False)
+    async_copy.wait_group(0)
+    mbarrier.arrive(q_bar)  # after the partition's barrier: every thread's copies landed
 
-    # ---- K and V tiles: row j of tile t is key split_lo + t * BLOCK_N + j of the group
+    # ---- K and V tiles: row j of tile t is key split_lo + t * BLOCK_N + j of the group.
+    # The pool as the descriptors see it: rows of stride_kt elements; page p's slot s of
+    # this head is row p * (stride_kp // stride_kt) + head_row + s, column head_col.
     head_off = kv_head.to(ttgl.int64) * stride_kh  # K and V share every stride (one PagedKV)
-    key = split_lo + ttgl.arange(0, BLOCK_N, layout=rows_l)
-    page = ttgl.load(page_ptr + key // PAGE_SIZE, mask=key < split_hi, other=0)
+    head_row = (head_off // stride_kt).to(ttgl.int32)
+    head_col = (head_off % stride_kt).to(ttgl.int32)
+    rows_per_page = (stride_kp // stride_kt).to(ttgl.int32)  # TMA coordinates are int32
+    n_full = (split_hi - split_lo) // BLOCK_N
     for t in range(n_tiles):
         ks = t % K_STAGES
         vs = t % V_STAGES
-        ok = key < split_hi
-        off = page.to(ttgl.int64) * stride_kp + (key % PAGE_SIZE).to(ttgl.int64) * stride_kt + head_off
-        off = ttgl.expand_dims(ttgl.multiple_of(off, 8), 1) + cols
-        row_ok = ttgl.expand_dims(ok, 1)  # rows past the end are zero-filled
-        # The next tile's page ids, loaded before this tile's slots are waited for: the
-        # copies never wait on a page-id load (the portable kernel's rule too).
-        key = key + BLOCK_N
-        page = ttgl.load(page_ptr + key // PAGE_SIZE, mask=key < split_hi, other=0)
-        mbarrier.wait(k_empty.index(ks), ((t // K_STAGES) & 1) ^ 1)  # a fresh slot counts as free
-        async_copy.async_copy_global_to_shared(k_bufs.index(ks), k_ptr + off, mask=row_ok)
-        async_copy.mbarrier_arrive(k_ready.index(ks), increment_count=False)
-        mbarrier.wait(v_empty.index(vs), ((t // V_STAGES) & 1) ^ 1)
-        async_copy.async_copy_global_to_shared(v_bufs.index(vs), v_ptr + off, mask=row_ok)
-        async_copy.mbarrier_arrive(v_ready.index(vs), increment_count=False)
+        first_page = (split_lo + t * BLOCK_N) // PAGE_SIZE
+        if t < n_full:
+            mbarrier.wait(k_empty.index(ks), ((t // K_STAGES) & 1) ^ 1)  # a fresh slot counts as free
+            mbarrier.expect(k_ready.index(ks), TILE_BYTES)
+            for j in ttgl.static_range(PAGES):
+                page = ttgl.load(page_ptr + first_page + j)
+                tma.async_copy_global_to_shared(k_desc, [page * rows_per_page + head_row, head_col],
+                                                k_ready.index(ks), k_bufs.index(ks).slice(j * PAGE_SIZE, PAGE_SIZE))
+            mbarrier.wait(v_empty.index(vs), ((t // V_STAGES) & 1) ^ 1)
+            mbarrier.expect(v_ready.index(vs), TILE_BYTES)
+            for j in ttgl.static_range(PAGES):
+                page = ttgl.load(page_ptr + first_page + j)
+                tma.async_copy_global_to_shared(v_desc, [page * rows_per_page + head_row, head_col],
+                                                v_ready.index(vs), v_bufs.index(vs).slice(j * PAGE_SIZE, PAGE_SIZE))
+        else:
+            key = split_lo + t * BLOCK_N + ttgl.arange(0, BLOCK_N, layout=rows_l)
+            mbarrier.wait(k_empty.index(ks), ((t // K_STAGES) & 1) ^ 1)
+            _gather_tile(k_bufs.index(ks), k_ptr, page_ptr, key, split_hi, head_off, stride_kp, stride_kt,
+                         PAGE_SIZE, HEAD_DIM)
+            mbarrier.wait(v_empty.index(vs), ((t // V_STAGES) & 1) ^ 1)
+            _gather_tile(v_bufs.index(vs), v_ptr, page_ptr, key, split_hi, head_off, stride_kp, stride_kt,
+                         PAGE_SIZE, HEAD_DIM)
+            async_copy.wait_group(0)
+            mbarrier.arrive(k_ready.index(ks))
+            mbarrier.arrive(v_ready.index(vs))
 
 
 @gluon.jit
@@ -243,6 +284,8 @@ def prefill_kernel_hopper(
     q_ptr,  # [nnz_qo, num_qo_heads, head_dim] fp16 / bf16
     k_ptr,  # paged K: [num_pages, page_size, num_kv_heads, head_dim] in any layout (strides)
     v_ptr,  # paged V, sharing K's page and token strides
+    k_desc,  # TMA descriptor of K as rows of stride_kt elements, boxes of [PAGE_SIZE, HEAD_DIM]
+    v_desc,  # of V, likewise
     o_ptr,  # [nnz_qo, num_splits, num_qo_heads, head_dim] q's dtype
     lse_ptr,  # [nnz_qo, num_splits, num_qo_heads] float32, natural log
     qo_indptr_ptr,  # [num_groups + 1] int32
@@ -313,16 +356,18 @@ def prefill_kernel_hopper(
     v_ready = ttgl.allocate_shared_memory(ttgl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = ttgl.allocate_shared_memory(ttgl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = ttgl.allocate_shared_memory(ttgl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
-    # cp.async arrivals count threads (one .noinc arrival per producer thread); each
-    # consumer warpgroup arrives once per slot. K and V slots are freed apart: a K tile is
-    # done with its scores, a V tile a softmax later.
-    mbarrier.init(q_bar, count=128)
+    # The producer arrives once per filled slot (with the TMA bytes expected, or after its
+    # cp.async copies landed); each consumer warpgroup arrives once per slot it is done
+    # with. K and V slots are freed apart: a K tile is done with its scores, a V tile a
+    # softmax later.
+    mbarrier.init(q_bar, count=1)
     for i in ttgl.static_range(K_STAGES):
-        mbarrier.init(k_ready.index(i), count=128)
+        mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=2)
     for i in ttgl.static_range(V_STAGES):
-        mbarrier.init(v_ready.index(i), count=128)
+        mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(v_empty.index(i), count=2)
+    fence_async_shared()  # the initialised barriers, before TMA completes on them
     bars = (q_bar, k_ready, v_ready, k_empty, v_empty)
     ttgl.warp_specialize([
         (_consumer, (q_smem, k_bufs, v_bufs, bars, o_ptr, lse_ptr,
@@ -333,7 +378,7 @@ def prefill_kernel_hopper(
                      qo_start, qo_len, row0, kv_head, split, split_lo, split_hi, n_tiles,
                      stride_ot, stride_os, stride_oh, stride_lt, stride_ls, stride_lh, qk_scale,
                      1, GROUP_SIZE, HEAD_DIM)),
-        (_producer, (q_ptr, k_ptr, v_ptr, page_ptr, q_smem, k_bufs, v_bufs, bars,
+        (_producer, (q_ptr, k_ptr, v_ptr, k_desc, v_desc, page_ptr, q_smem, k_bufs, v_bufs, bars,
                      qo_start, qo_len, row0, kv_head, split_lo, split_hi, n_tiles,
                      stride_qt, stride_qh, stride_kp, stride_kt, stride_kh, GROUP_SIZE, PAGE_SIZE, HEAD_DIM)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
