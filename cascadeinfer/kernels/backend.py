@@ -7,8 +7,8 @@ launcher that has one takes ``backend``:
 
 * ``None`` (default): the device-specific kernel where it runs (device, Triton version,
   shapes; see :func:`prefill_declines`) and is measured faster, else the portable kernel
-  — silently, since both give the same answer. The Hopper prefill kernel is 1.07-1.17x
-  the portable one (benchmarks/NOTES.md, "Prefix / prefill kernel", v5), but its launches
+  — silently, since both give the same answer. The Hopper prefill kernel is 1.10-1.18x
+  the portable one at >= 256 queries over >= 8K keys, slower below 4K (benchmarks/NOTES.md, "Prefix / prefill kernel", v5), but its launches
   are not yet replayed from recordings (their TMA descriptors hold the cache's address),
   so an eager call would pay Triton's whole launch path; ``None`` runs the portable
   kernel until they are.
@@ -34,8 +34,8 @@ BACKENDS = ("portable", "hopper")
 HOPPER_TRITON_VERSIONS = ("3.6.",)
 
 # Whether backend=None picks the Hopper prefill kernel where it runs: only where it is at
-# least 10% faster than the portable kernel (1.07-1.17x, more with longer key ranges per
-# program) and once its launches replay from recordings like the others (eager host cost).
+# least 10% faster than the portable kernel (>= 256 queries over >= 8K keys, 128 over
+# >= 32K) and once its launches replay from recordings like the others (eager host cost).
 HOPPER_PREFILL_BY_DEFAULT = False
 
 # The Hopper prefill kernel's head dims and (BLOCK_N, K slots, V slots) for each: shared

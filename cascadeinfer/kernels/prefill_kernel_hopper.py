@@ -24,8 +24,8 @@ What differs is how a program spends its SM (the ideas of FlashAttention-3):
 
 Status (H100, benchmarks/NOTES.md "Prefix / prefill kernel", v5): it passes its GPU tests
 (``tests/test_prefill_hopper.py``: the float64 reference, edges, splits, NaN/inf, graph
-capture, the cascade) and runs 1.07-1.17x the portable kernel's speed (0.58-0.81 of the
-matmul rate). The launchers run it when asked (``backend="hopper"``): its TMA
+capture, the cascade) and runs 1.10-1.18x the portable kernel's speed at >= 256 queries over
+>= 8K keys (0.69-0.80 of the matmul rate), but slower on prefixes of 1K keys. The launchers run it when asked (``backend="hopper"``): its TMA
 descriptors hold the cache's address, so its launches are not replayed from recordings
 yet, and an eager call pays Triton's launch path. In the SASS, ptxas waits for the
 product in flight (``WARPGROUP.DEPBAR.LE gsb0, 0x0``) at the first shuffle of the softmax's
