@@ -71,12 +71,12 @@ def batch_prefill_paged_op(
     q: torch.Tensor, qo_indptr: torch.Tensor, k_cache: torch.Tensor, v_cache: Optional[torch.Tensor],
     kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor, causal: bool,
     kv_layout: str, sm_scale: float, num_splits: Optional[int], out: torch.Tensor, lse: torch.Tensor,
-    validate: bool = False,
+    validate: bool = False, backend: Optional[str] = None,
 ) -> None:
     """``batch_prefill_paged`` into ``out [nnz_qo, Hq, D]`` and ``lse`` float32 ``[nnz_qo, Hq]``."""
     batch_prefill_paged(q, qo_indptr, _cache(k_cache, v_cache), kv_indptr, kv_indices, kv_last_page_len,
                         causal=causal, kv_layout=kv_layout, sm_scale=sm_scale, out=out, lse=lse, validate=validate,
-                        num_splits=num_splits)
+                        num_splits=num_splits, backend=backend)
 
 
 @torch.library.custom_op("cascadeinfer::batch_prefill_ragged", mutates_args=("out", "lse"))

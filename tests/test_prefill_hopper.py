@@ -275,37 +275,58 @@ def test_hopper_cuda_graph_replays_new_inputs():
     check_state(out, lse, *P.batch_prefill_paged_ref(*args), torch.bfloat16)
 
 
-@hopper_gpu
-@pytest.mark.gpu
-def test_hopper_in_the_cascade(monkeypatch):
-    """A two-level cascade whose prefix level (64 queries x G 4 over 4096 keys) runs on the
-    Hopper kernel (made the default here), against the flat reference."""
-    monkeypatch.setattr(B, "HOPPER_PREFILL_BY_DEFAULT", True)
-    device = torch.device("cuda")
-    gen = torch.Generator().manual_seed(7)
-    batch, prefix, hkv, group, d, ps = 64, 4096, 8, 4, 128, 16
+def _two_levels(device, *, batch, prefix, hkv, group, d, ps, dtype, seed):
+    """A shared prefix of ``prefix`` keys, then each request's own 1-299 keys: the cascade's
+    plan arguments, q, the cache and the flat float64 reference."""
+    gen = torch.Generator().manual_seed(seed)
     suffix = [int(x) for x in torch.randint(1, 300, (batch,), generator=gen)]
-    pages_prefix = prefix // ps
-    suffix_pages = [-(-s // ps) for s in suffix]
-    num_pages = pages_prefix + sum(suffix_pages) + 2
-    cache = torch.randn((num_pages, 2, ps, hkv, d), generator=gen).to(torch.bfloat16).to(device)
-    q = torch.randn((batch, hkv * group, d), generator=gen).to(torch.bfloat16).to(device)
-    i32 = dict(dtype=torch.int32, device=device)
+    pages_prefix = -(-prefix // ps)
     starts = [pages_prefix]
-    for n in suffix_pages:
-        starts.append(starts[-1] + n)
-    casc = MultiLevelCascadeAttention(2, device=device)
-    casc.plan(
-        [torch.tensor([0, batch], **i32), torch.arange(batch + 1, **i32)],
-        [torch.tensor([0, pages_prefix], **i32), torch.tensor(starts, **i32) - pages_prefix],
-        [torch.arange(pages_prefix, **i32), torch.arange(pages_prefix, starts[-1], **i32)],
-        [torch.tensor([ps], **i32), torch.tensor([(s - 1) % ps + 1 for s in suffix], **i32)],
-        hkv * group, hkv, d, ps, use_cascade=True)
-    o, lse = casc.run(q, cache, return_lse=True)
-    flat_indptr = torch.tensor([0] + [pages_prefix * (i + 1) + starts[i + 1] - pages_prefix for i in range(batch)],
+    for s in suffix:
+        starts.append(starts[-1] + -(-s // ps))
+    cache = torch.randn((starts[-1] + 2, 2, ps, hkv, d), generator=gen).to(dtype).to(device)
+    q = torch.randn((batch, hkv * group, d), generator=gen).to(dtype).to(device)
+    i32 = {"dtype": torch.int32, "device": device}
+    last = torch.tensor([(s - 1) % ps + 1 for s in suffix], **i32)
+    plan = ([torch.tensor([0, batch], **i32), torch.arange(batch + 1, **i32)],
+            [torch.tensor([0, pages_prefix], **i32), torch.tensor(starts, **i32) - pages_prefix],
+            [torch.arange(pages_prefix, **i32), torch.arange(pages_prefix, starts[-1], **i32)],
+            [torch.tensor([(prefix - 1) % ps + 1], **i32), last],
+            hkv * group, hkv, d, ps)
+    flat_indptr = torch.tensor([0, *[pages_prefix * (i + 1) + starts[i + 1] - pages_prefix for i in range(batch)]],
                                **i32)
     flat_indices = torch.cat([torch.cat([torch.arange(pages_prefix, **i32),
                                          torch.arange(starts[i], starts[i + 1], **i32)]) for i in range(batch)])
-    ref = P.batch_prefill_paged_ref(q, torch.arange(batch + 1, **i32), cache, flat_indptr, flat_indices,
-                                    torch.tensor([(s - 1) % ps + 1 for s in suffix], **i32))
-    check_state(o, lse, *ref, torch.bfloat16)
+    ref = P.batch_prefill_paged_ref(q, torch.arange(batch + 1, **i32), cache, flat_indptr, flat_indices, last)
+    return plan, q, cache, ref
+
+
+def test_cascade_backend_argument(device):
+    """The cascade takes ``backend`` for its prefill levels: checked at construction,
+    "portable" gives the default's answer, "hopper" raises where it cannot run."""
+    with pytest.raises(ValueError, match="backend"):
+        MultiLevelCascadeAttention(2, device=device, backend="fast")
+    plan, q, cache, ref = _two_levels(device, batch=20, prefix=40, hkv=1, group=4, d=16, ps=8,
+                                      dtype=torch.float32, seed=8)
+    for backend in (None, "portable"):
+        casc = MultiLevelCascadeAttention(2, device=device, backend=backend)
+        casc.plan(*plan, use_cascade=True, dtype=torch.float32)
+        check_state(*casc.run(q, cache, return_lse=True), *ref, torch.float32)
+    if not HOPPER:
+        casc = MultiLevelCascadeAttention(2, device=device, backend="hopper")
+        casc.plan(*plan, use_cascade=True, dtype=torch.float32)
+        with pytest.raises(ValueError, match="backend='hopper'"):
+            casc.run(q, cache)
+
+
+@hopper_gpu
+@pytest.mark.gpu
+def test_hopper_in_the_cascade():
+    """A two-level cascade whose prefix level (64 queries x G 4 over 4096 keys) runs on the
+    Hopper kernel, against the flat float64 reference."""
+    device = torch.device("cuda")
+    plan, q, cache, ref = _two_levels(device, batch=64, prefix=4096, hkv=8, group=4, d=128, ps=16,
+                                      dtype=torch.bfloat16, seed=7)
+    casc = MultiLevelCascadeAttention(2, device=device, backend="hopper")
+    casc.plan(*plan, use_cascade=True)
+    check_state(*casc.run(q, cache, return_lse=True), *ref, torch.bfloat16)

@@ -47,6 +47,7 @@ from cascadeinfer.kernels import (
     paged_num_splits,
     pick_decode_schedule,
 )
+from cascadeinfer.kernels.backend import check_backend
 from cascadeinfer.kernels.launch import LaunchCache, Recording, given, recording
 from cascadeinfer.layouts.page_table import PageTable
 from cascadeinfer.layouts.paged_cache import (
@@ -227,6 +228,12 @@ class MultiLevelCascadeAttention:
             collective sits between them) and outside ``torch.compile``; not with
             ``use_cuda_graph``, nor on a causal last level.
         context_parallel_group: the process group (default: the default group).
+        backend: the prefill kernel of the levels above the last, as in
+            :func:`~cascadeinfer.batch_prefill_paged`: ``None`` (the default choice),
+            ``"portable"`` or ``"hopper"`` (the warp-specialised kernel on compute
+            capability 9.0 for every such level; a level it does not run, e.g. a group of
+            fewer than 65 packed rows, raises a ``ValueError`` at ``run``). Decode levels
+            always run the decode kernel.
 
     Example (two levels, shared-prefix batch decode)::
 
@@ -239,9 +246,11 @@ class MultiLevelCascadeAttention:
 
     def __init__(self, num_levels: int, *, kv_layout: str = "NHD", device: torch.device | str | None = None,
                  use_cuda_graph: bool = False, max_pages: int | Sequence[int] | None = None,
-                 context_parallel_level: int | None = None, context_parallel_group=None):
+                 context_parallel_level: int | None = None, context_parallel_group=None,
+                 backend: str | None = None):
         if not isinstance(num_levels, int) or isinstance(num_levels, bool) or num_levels < 1:
             raise ValueError(f"num_levels: expected a positive int, got {num_levels!r}")
+        self.backend = check_backend(backend)
         self.num_levels = num_levels
         if not isinstance(use_cuda_graph, bool):
             raise TypeError(f"use_cuda_graph: expected a bool, got {type(use_cuda_graph).__name__}")
@@ -476,7 +485,8 @@ class MultiLevelCascadeAttention:
             else:
                 torch.ops.cascadeinfer.batch_prefill_paged(
                     q, level.qo_indptr, k_cache, v_cache, level.kv_indptr, level.kv_indices,
-                    level.kv_last_page_len, causal, self.kv_layout, sm_scale, level.num_splits, out, lse)
+                    level.kv_last_page_len, causal, self.kv_layout, sm_scale, level.num_splits, out, lse,
+                    backend=self.backend)
         elif level.decode:
             # One query per group: causal changes nothing (the query sees every key).
             batch_decode_paged(q, paged_kv_cache, level.kv_indptr, level.kv_indices, level.kv_last_page_len,
@@ -485,7 +495,7 @@ class MultiLevelCascadeAttention:
         else:
             batch_prefill_paged(q, level.qo_indptr, paged_kv_cache, level.kv_indptr, level.kv_indices,
                                 level.kv_last_page_len, causal=causal, kv_layout=self.kv_layout, sm_scale=sm_scale,
-                                num_splits=level.num_splits, out=out, lse=lse, validate=False)
+                                num_splits=level.num_splits, out=out, lse=lse, validate=False, backend=self.backend)
 
     def _merge(self, o_a, lse_a, o_b, lse_b, out, lse) -> None:
         if torch.compiler.is_compiling():
