@@ -54,9 +54,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from cascadeinfer.kernels.constants import KERNEL_LN2
 
-BLOCK_M = 128  # two consumer warpgroups of 64 rows
-HALF_M = 64
-
 
 @gluon.jit
 def _gather_tile(dst, src_ptr, page_ptr, key, split_hi, head_off, stride_kp, stride_kt,
@@ -90,7 +87,7 @@ def _producer(
     V_STAGES: ttgl.constexpr = v_bufs.shape[0]
     BLOCK_N: ttgl.constexpr = k_bufs.shape[1]
     PAGES: ttgl.constexpr = BLOCK_N // PAGE_SIZE
-    TILE_BYTES: ttgl.constexpr = BLOCK_N * HEAD_DIM * 2
+    TILE_BYTES: ttgl.constexpr = BLOCK_N * HEAD_DIM * 2  # fp16 / bf16
     # Tiles spread over the warpgroup 8 elements (16 bytes: one cp.async) per thread along a row.
     COLS: ttgl.constexpr = HEAD_DIM // 8  # threads along a row
     ld: ttgl.constexpr = ttgl.BlockedLayout([1, 8], [32 // COLS, COLS], [4, 1], [1, 0])
@@ -229,8 +226,9 @@ def _consumer(
     mbarrier.wait(q_bar, 0)
     if n_tiles > 0:
         # Tile 0's scores; then every iteration issues tile t's scores and tile t - 1's
-        # P·V together and runs tile t's softmax while that product is still on the tensor
-        # cores (FlashAttention-3's overlap inside a warpgroup). Only the split's last tile
+        # P·V together, and tile t's softmax is meant to run while that product is still
+        # on the tensor cores (FlashAttention-3's overlap inside a warpgroup; ptxas waits
+        # for it first, see the module docstring). Only the split's last tile
         # can be partial; it runs in a loop of its own, so that the hot loop has no branch
         # between a product's issue and its wait (ptxas waits for every product in
         # flight at a branch).
