@@ -8,7 +8,10 @@ Run from the repository root on a GPU machine:
 **Host cost** is the CPU time to enqueue one call: every call is timed on its own with
 ``time.perf_counter_ns`` while the GPU is kept busy (a ``torch.cuda._sleep`` enqueued
 before each batch of calls, long enough that no launch waits on the device), median over
-``--calls`` calls (1000 by default), after a warm-up that compiles and records. Each row
+``--calls`` calls (1000 by default), after a warm-up that compiles and records; then as
+many calls again with ``time.thread_time_ns`` (the calling thread's CPU time, which a
+host that preempts the process does not inflate; the ``_cpu_us`` columns). A timer row
+(an empty call, timed alike) gives what the clocks themselves add. Each row
 is timed in ``--rounds`` rounds (3), each of which times every row of every shape once;
 the table gives the median of the rounds' medians, the JSON every round. It is measured in
 ``torch.inference_mode()`` and outside it. Rows (bf16, Hq 32, Hkv 8, D 128,
@@ -72,26 +75,32 @@ from cascadeinfer import (
 HOST_SHAPES = ((64, 8192, 256), (4, 16384, 16384), (8, 128, 2048))  # (batch, prefix, suffix)
 BATCH_OF_CALLS = 50
 PLAN_REQUESTS = (256, 4096, 128)
+TIMER_ROW = "timer: an empty call, timed alike"
 
 
-def host_us(fn: Callable[[], object], calls: int, device: torch.device) -> float:
-    """Median CPU microseconds to enqueue one ``fn()`` (see the module docstring)."""
+def host_us(fn: Callable[[], object], calls: int, device: torch.device) -> tuple[float, float]:
+    """Median microseconds to enqueue one ``fn()`` (see the module docstring): wall time
+    (``perf_counter_ns``), then, in a second pass of as many calls, the calling thread's
+    CPU time (``thread_time_ns``), which a host that preempts the process does not inflate."""
     for _ in range(3):  # compile, record, settle
         fn()
     cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize(device)
-    times = []
-    while len(times) < calls:
-        if cuda:
-            torch.cuda._sleep(40_000_000)  # ~20 ms of GPU time: the batch enqueues behind it
-        for _ in range(min(BATCH_OF_CALLS, calls - len(times))):
-            t0 = time.perf_counter_ns()
-            fn()
-            times.append(time.perf_counter_ns() - t0)
+    medians = []
+    for clock in (time.perf_counter_ns, time.thread_time_ns):
         if cuda:
             torch.cuda.synchronize(device)
-    return statistics.median(times) / 1e3
+        times = []
+        while len(times) < calls:
+            if cuda:
+                torch.cuda._sleep(40_000_000)  # ~20 ms of GPU time: the batch enqueues behind it
+            for _ in range(min(BATCH_OF_CALLS, calls - len(times))):
+                t0 = clock()
+                fn()
+                times.append(clock() - t0)
+            if cuda:
+                torch.cuda.synchronize(device)
+        medians.append(statistics.median(times) / 1e3)
+    return medians[0], medians[1]
 
 
 def _three_levels(wl: Workload) -> MultiLevelCascadeAttention:
@@ -164,13 +173,17 @@ def host_rows(shapes, fi, calls: int, device: torch.device, rounds: int = 3) -> 
     ``rounds`` medians, each round timing every row of every shape once (so that a slower
     spell of the host weighs on one round of many rows, not on every round of a few)."""
     by_shape = {shape: host_calls(Shape(*shape), fi, device) for shape in shapes}
+    by_shape[shapes[0]][TIMER_ROW] = lambda: None  # what the clocks themselves cost
     samples: dict[tuple, list[float]] = {}
+    cpu_samples: dict[tuple, list[float]] = {}
     for r in range(rounds):
         for shape, calls_by_name in by_shape.items():
             for name, fn in calls_by_name.items():
                 for mode in ("inference", "grad"):
                     with torch.inference_mode() if mode == "inference" else contextlib.nullcontext():
-                        samples.setdefault((shape, name, mode), []).append(host_us(fn, calls, device))
+                        wall_us, cpu_us = host_us(fn, calls, device)
+                    samples.setdefault((shape, name, mode), []).append(wall_us)
+                    cpu_samples.setdefault((shape, name, mode), []).append(cpu_us)
         print(f"# host cost round {r + 1} of {rounds} done", flush=True)
     rows = []
     for shape, calls_by_name in by_shape.items():
@@ -179,6 +192,8 @@ def host_rows(shapes, fi, calls: int, device: torch.device, rounds: int = 3) -> 
             for mode in ("inference", "grad"):
                 row[f"{mode}_us"] = statistics.median(samples[shape, name, mode])
                 row[f"{mode}_rounds_us"] = [round(x, 2) for x in samples[shape, name, mode]]
+                row[f"{mode}_cpu_us"] = statistics.median(cpu_samples[shape, name, mode])
+                row[f"{mode}_cpu_rounds_us"] = [round(x, 2) for x in cpu_samples[shape, name, mode]]
             rows.append(row)
     return rows
 
@@ -249,8 +264,10 @@ def main() -> None:
     print(f"# {env}", flush=True)
     host = host_rows(HOST_SHAPES, fi, args.calls, device, args.rounds)
     host.append(plan_row(fi, args.calls, device))
-    print(f"\n## Host cost per call (µs of CPU, median of {args.rounds} rounds' medians)\n")
-    print(markdown_table(host, ["call", "batch", "prefix", "suffix", "inference_us", "grad_us"]))
+    print(f"\n## Host cost per call (µs, median of {args.rounds} rounds' medians: wall time, and the "
+          f"thread's CPU time)\n")
+    print(markdown_table(host, ["call", "batch", "prefix", "suffix", "inference_us", "grad_us", "inference_cpu_us",
+                                "grad_cpu_us"]))
     wall = []
     if not args.no_wall:
         wall = wall_rows(BAR_SHAPES, fi, device, True, args.rep_ms) + wall_rows(
