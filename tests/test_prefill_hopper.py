@@ -59,9 +59,17 @@ def test_hopper_declines_here_and_portable_runs(device):
         check_state(out, lse, *ref, torch.bfloat16)
 
 
-def _meta_source(*, page_size=16, hkv=8, d=128, dtype=torch.bfloat16, layout="NHD", paged=True):
-    cache = torch.empty((64, 2, page_size, hkv, d) if layout == "NHD" else (64, 2, hkv, page_size, d),
-                        dtype=dtype, device="meta")
+def _meta_source(*, page_size=16, hkv=8, d=128, dtype=torch.bfloat16, layout="NHD", paged=True, pad_page=0):
+    """A meta cache's KV side; ``pad_page``: elements of padding after every page (the
+    tuple form), so that a page is not a whole number of token rows."""
+    if pad_page:
+        per_page = page_size * hkv * d + pad_page
+        k = torch.empty(64 * per_page, dtype=dtype, device="meta").as_strided(
+            (64, page_size, hkv, d), (per_page, hkv * d, d, 1))
+        cache = (k, k)
+    else:
+        cache = torch.empty((64, 2, page_size, hkv, d) if layout == "NHD" else (64, 2, hkv, page_size, d),
+                            dtype=dtype, device="meta")
     kv = unpack_paged_kv_cache(cache, layout)
     i32 = torch.empty(2, dtype=torch.int32, device="meta")
     source = P.paged_source(kv, i32, i32, i32)
@@ -95,6 +103,7 @@ class _FakeTensor:
     (dict(q_ptr=8), "16-byte"),
     (dict(page_size=5), "page size 5"),
     (dict(page_size=256), "page size 256"),
+    (dict(pad_page=8), "not whole rows"),
     (dict(), None),
 ])
 def test_prefill_declines_reasons(monkeypatch, change, reason):
@@ -103,7 +112,8 @@ def test_prefill_declines_reasons(monkeypatch, change, reason):
     d = change.get("head_dim", 128)
     dtype = change.get("dtype", torch.bfloat16)
     q = _FakeTensor((100, 32, d), dtype, change.get("q_strides"), change.get("q_ptr", 0))
-    kv = _meta_source(d=d, dtype=dtype, paged=change.get("paged", True), page_size=change.get("page_size", 16))
+    kv = _meta_source(d=d, dtype=dtype, paged=change.get("paged", True), page_size=change.get("page_size", 16),
+                      pad_page=change.get("pad_page", 0))
     got = B.prefill_declines(q, _AlignedKV(kv), change.get("causal", False), change.get("block_m", 128))
     if reason is None:
         assert got is None
@@ -124,11 +134,11 @@ def test_prefill_declines_reasons(monkeypatch, change, reason):
 
 
 class _AlignedKV:
-    """A meta KVSource whose tensors report 16-byte aligned addresses."""
+    """A meta KVSource whose tensors report 16-byte aligned addresses (shapes kept)."""
 
     def __init__(self, kv):
         self._kv = kv
-        self.k = self.v = _FakeTensor((1, 1, 1))
+        self.k = self.v = _FakeTensor(tuple(kv.k.shape), kv.k.dtype, strides=tuple(kv.k.stride()))
 
     def __getattr__(self, name):
         return getattr(self._kv, name)
