@@ -75,7 +75,8 @@ def parts(shape: Shape, calls: int, device: torch.device) -> list[dict]:
                    kernels=len(rec.launches), scratch_bytes=rec.scratch_bytes, counter_bytes=rec.counter_bytes)
         for mode in ("inference", "grad"):
             with torch.inference_mode() if mode == "inference" else contextlib.nullcontext():
-                row[f"{mode}_us"] = round(host_us(fn, calls, device), 2)
+                wall_us, cpu_us = host_us(fn, calls, device)
+                row[f"{mode}_us"], row[f"{mode}_cpu_us"] = round(wall_us, 2), round(cpu_us, 2)
         rows.append(row)
     return rows
 
@@ -91,7 +92,7 @@ def main() -> None:
     for shape in HOST_SHAPES:
         rows += parts(Shape(*shape), args.calls, device)
     print(markdown_table(rows, ["part", "batch", "prefix", "suffix", "kernels", "scratch_bytes",
-                                "counter_bytes", "inference_us", "grad_us"]))
+                                "counter_bytes", "inference_us", "grad_us", "inference_cpu_us", "grad_cpu_us"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(env=env, rows=rows), f, indent=1)
