@@ -166,6 +166,17 @@ def test_tma_rows_address_every_slot(layout, form):
                     assert torch.equal(got, want)
 
 
+def test_tma_rows_checks_every_head():
+    """A layout (token stride 136, head stride 200, head_dim 64) whose first and last of 4
+    heads fit inside a row but whose third (columns 128..191 of a 136-element row) does not
+    has no 2-D view."""
+    per_page = 8 * 136
+    k = torch.empty(16 * per_page + 1024, dtype=torch.bfloat16, device="meta").as_strided(
+        (16, 8, 4, 64), (per_page, 136, 200, 1))
+    i32 = torch.empty(2, dtype=torch.int32, device="meta")
+    assert B.tma_rows(P.paged_source(unpack_paged_kv_cache((k, k), "NHD"), i32, i32, i32)) is None
+
+
 def test_hopper_unavailable_reasons(monkeypatch):
     assert "cpu device" in B.hopper_unavailable(torch.device("cpu"))
     monkeypatch.setattr(B, "_capability", lambda index: (8, 0))

@@ -111,9 +111,11 @@ def tma_rows(kv) -> int | None:
     head_dim = kv.k.shape[-1]
     if stride_token <= 0 or stride_page % stride_token:
         return None
-    last_head = (kv.num_kv_heads - 1) * stride_head
-    if any((h * stride_head) % stride_token + head_dim > stride_token for h in (0, kv.num_kv_heads - 1)):
+    # Every head's columns must lie within one row (where a head starts in its row need
+    # not grow with the head, so each is checked).
+    if any((h * stride_head) % stride_token + head_dim > stride_token for h in range(kv.num_kv_heads)):
         return None
+    last_head = (kv.num_kv_heads - 1) * stride_head
     end = (num_pages - 1) * stride_page + last_head + (kv.page_size - 1) * stride_token + head_dim
     rows = -(-end // stride_token)
     return rows if rows < 2**31 else None
