@@ -11,6 +11,10 @@ capture, the cascade).
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -351,3 +355,75 @@ def test_hopper_in_the_cascade():
     casc = MultiLevelCascadeAttention(2, device=device, backend="hopper")
     casc.plan(*plan, use_cascade=True)
     check_state(*casc.run(q, cache, return_lse=True), *ref, torch.bfloat16)
+
+
+# ------------------------------------------------------------------ the compiled code (every machine)
+
+
+def _hopper_ptx(head_dim: int, page_size: int, dtype: str) -> str:
+    """The Hopper kernel compiled for sm_90 on this machine (no GPU needed), as the
+    launcher would specialise it: divisible pointers and strides, its tiles and registers.
+    Compiled in a child process: under the interpreter (this process) Gluon compiles nothing."""
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_prefill_hopper as t; "
+            f"sys.stdout.write(t._compile_hopper_ptx({head_dim}, {page_size}, {dtype!r}))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def _compile_hopper_ptx(head_dim: int, page_size: int, dtype: str) -> str:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as ttgl
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    from cascadeinfer.kernels import prefill_kernel_hopper
+
+    block_n, k_stages, v_stages = B.HOPPER_PREFILL_TILES[head_dim]
+    torch_dtype, gluon_dtype = {"bf16": (torch.bfloat16, ttgl.bfloat16), "fp16": (torch.float16, ttgl.float16)}[dtype]
+    pool = torch.empty(64 * page_size, 8 * head_dim, dtype=torch_dtype)
+    box = ttgl.NVMMASharedLayout.get_default_for([page_size, head_dim], gluon_dtype)
+    desc = mangle_type(TensorDescriptor(pool, list(pool.shape), [pool.shape[1], 1], [page_size, head_dim], box))
+    kernel = prefill_kernel_hopper.prefill_kernel_hopper
+    names = [p.name for p in kernel.params]
+    constexprs = {"GROUP_SIZE": 4, "PAGE_SIZE": page_size, "HEAD_DIM": head_dim, "BLOCK_N": block_n,
+                  "K_STAGES": k_stages, "V_STAGES": v_stages, "PRODUCER_REGS": 40, "CONSUMER_REGS": 232}
+    signature = {}
+    for n in names:
+        if n in constexprs:
+            signature[n] = "constexpr"
+        elif n.endswith("_desc"):
+            signature[n] = desc
+        elif n in ("q_ptr", "k_ptr", "v_ptr", "o_ptr"):
+            signature[n] = f"*{dtype}"
+        elif n.endswith("_ptr"):
+            signature[n] = "*fp32" if n == "lse_ptr" else "*i32"
+        else:
+            signature[n] = "fp32" if n == "qk_scale" else "i32"
+    aligned = [n for n in names if n.endswith("_ptr") or (n.startswith("stride_") and n[-2] in "qko")]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    source = GluonASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+
+
+@pytest.mark.parametrize("head_dim,page_size,dtype", [(128, 16, "bf16"), (64, 8, "fp16")])
+def test_hopper_waits_for_committed_copies(head_dim, page_size, dtype):
+    """Every ``cp.async.wait_group`` of the compiled kernel follows a ``commit_group`` of
+    the copies before it: wait_group waits only for committed groups, so an uncommitted
+    copy could still be landing when the producer's barrier tells the consumers it has
+    (a race seen once on an H100 as wrong scores from a stale key row)."""
+    pending = False
+    waits = 0
+    for line in _hopper_ptx(head_dim, page_size, dtype).splitlines():
+        op = line.strip()
+        if op.startswith(("cp.async.ca", "cp.async.cg")):
+            pending = True
+        elif op.startswith("cp.async.commit_group"):
+            pending = False
+        elif op.startswith("cp.async.wait_group"):
+            waits += 1
+            assert not pending, f"uncommitted cp.async copies before {op!r}"
+    assert waits == 2  # Q, then the split's partial last tile

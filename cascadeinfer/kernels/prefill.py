@@ -224,8 +224,10 @@ def _launch_hopper(q, qo_indptr, kv: KVSource, o_dest, lse_dest, sm_scale: float
         BLOCK_N=block_n,
         K_STAGES=k_stages,
         V_STAGES=v_stages,
-        PRODUCER_REGS=104,  # the partial last tile's row addresses (sm_90 build)
-        CONSUMER_REGS=200,
+        # setmaxnreg: the producer gathers a partial tile 32 rows at a time (40 registers);
+        # each consumer holds a 64x128 score tile in flight beside its softmax (232).
+        PRODUCER_REGS=40,
+        CONSUMER_REGS=232,
         num_warps=4,
     )
 

@@ -19,17 +19,19 @@ What differs is how a program spends its SM (the ideas of FlashAttention-3):
 * **Two consumer warpgroups, 64 rows each**, that never wait for each other: each runs
   ``S = Q Kᵀ`` (``wgmma``, Q and K in shared memory), the online softmax in registers and
   ``O += P V`` (``wgmma``, P from registers) on its own rows, and releases the slots it
-  read with its own mbarrier arrivals. Tile ``t``'s scores and tile ``t - 1``'s product
-  are issued together.
+  read with its own mbarrier arrivals. Each step issues the next tile's scores before
+  this tile's softmax, so the softmax runs while they are on the tensor cores (only
+  products' outputs are in flight then, never their operand registers, which ptxas
+  would otherwise wait for first).
 
 Status (H100, benchmarks/NOTES.md "Prefix / prefill kernel", v5): it passes its GPU tests
 (``tests/test_prefill_hopper.py``: the float64 reference, edges, splits, NaN/inf, graph
-capture, the cascade) and runs 1.10-1.18x the portable kernel's speed at >= 256 queries over
->= 8K keys (0.69-0.80 of the matmul rate), but slower on prefixes of 1K keys. The launchers run it when asked (``backend="hopper"``): its TMA
-descriptors hold the cache's address, so its launches are not replayed from recordings
-yet, and an eager call pays Triton's launch path. In the SASS, ptxas waits for the
-product in flight (``WARPGROUP.DEPBAR.LE gsb0, 0x0``) at the first shuffle of the softmax's
-row maximum, so the softmax does not overlap a product of its own warpgroup.
+capture, the cascade) and runs 1.09-1.23x the portable kernel's speed at >= 128 queries
+over >= 8K keys (0.59-0.85 of the matmul rate), but slower on prefixes of 1K keys, and
+beside a decode level on a side stream (the cascade's schedule) it holds its SMs whole
+(all their registers and shared memory). The launchers run it when asked
+(``backend="hopper"``): its TMA descriptors hold the cache's address, so its launches are
+not replayed from recordings, and an eager call pays Triton's launch path.
 
 Numerics are the portable kernel's: scores in base 2 (``qk_scale = sm_scale * log2(e)``),
 float32 state, ``finish_state``'s rules for empty rows ``(0, -inf)`` and poisoned rows
@@ -56,19 +58,21 @@ from cascadeinfer.kernels.constants import KERNEL_LN2
 
 
 @gluon.jit
-def _gather_tile(dst, src_ptr, page_ptr, key, split_hi, head_off, stride_kp, stride_kt,
+def _gather_tile(dst, src_ptr, page_ptr, key0, split_hi, head_off, stride_kp, stride_kt,
                  PAGE_SIZE: ttgl.constexpr, HEAD_DIM: ttgl.constexpr):
-    """cp.async rows ``key`` ([BLOCK_N], a gather layout) of a paged K or V into ``dst``,
-    rows past ``split_hi`` zero-filled (a TMA box would bring in whatever the pool holds
-    there, and a non-finite value times a zero weight is NaN)."""
+    """cp.async keys ``key0 ..`` of a paged K or V into ``dst``, 32 rows at a time (few
+    registers), rows past ``split_hi`` zero-filled (a TMA box would bring in whatever the
+    pool holds there, and a non-finite value times a zero weight is NaN)."""
     COLS: ttgl.constexpr = HEAD_DIM // 8
     ld: ttgl.constexpr = ttgl.BlockedLayout([1, 8], [32 // COLS, COLS], [4, 1], [1, 0])
     cols = ttgl.expand_dims(ttgl.arange(0, HEAD_DIM, layout=ttgl.SliceLayout(0, ld)), 0)
-    ok = key < split_hi
-    page = ttgl.load(page_ptr + key // PAGE_SIZE, mask=ok, other=0)
-    off = page.to(ttgl.int64) * stride_kp + (key % PAGE_SIZE).to(ttgl.int64) * stride_kt + head_off
-    off = ttgl.expand_dims(ttgl.multiple_of(off, 8), 1) + cols
-    async_copy.async_copy_global_to_shared(dst, src_ptr + off, mask=ttgl.expand_dims(ok, 1))
+    for c in ttgl.static_range(dst.shape[0] // 32):
+        key = key0 + c * 32 + ttgl.arange(0, 32, layout=ttgl.SliceLayout(1, ld))
+        ok = key < split_hi
+        page = ttgl.load(page_ptr + key // PAGE_SIZE, mask=ok, other=0)
+        off = page.to(ttgl.int64) * stride_kp + (key % PAGE_SIZE).to(ttgl.int64) * stride_kt + head_off
+        off = ttgl.expand_dims(ttgl.multiple_of(off, 8), 1) + cols
+        async_copy.async_copy_global_to_shared(dst.slice(c * 32, 32), src_ptr + off, mask=ttgl.expand_dims(ok, 1))
 
 
 @gluon.jit
@@ -87,7 +91,7 @@ def _producer(
     V_STAGES: ttgl.constexpr = v_bufs.shape[0]
     BLOCK_N: ttgl.constexpr = k_bufs.shape[1]
     PAGES: ttgl.constexpr = BLOCK_N // PAGE_SIZE
-    TILE_BYTES: ttgl.constexpr = BLOCK_N * HEAD_DIM * 2  # fp16 / bf16
+    TILE_BYTES: ttgl.constexpr = BLOCK_N * HEAD_DIM * 2
     # Tiles spread over the warpgroup 8 elements (16 bytes: one cp.async) per thread along a row.
     COLS: ttgl.constexpr = HEAD_DIM // 8  # threads along a row
     ld: ttgl.constexpr = ttgl.BlockedLayout([1, 8], [32 // COLS, COLS], [4, 1], [1, 0])
@@ -101,6 +105,9 @@ def _producer(
     q_off = ttgl.multiple_of(q_off, 8)  # the launcher checked: strides are multiples of 8 elements
     async_copy.async_copy_global_to_shared(q_smem, q_ptr + (ttgl.expand_dims(q_off, 1) + cols),
                                            mask=ttgl.expand_dims(r < qo_len * GROUP_SIZE, 1))
+    # wait_group waits only for committed groups: without the commit the copies could
+    # still be in flight when the barrier says they landed.
+    async_copy.commit_group()
     async_copy.wait_group(0)
     mbarrier.arrive(q_bar)  # after the partition's barrier: every thread's copies landed
 
@@ -130,13 +137,14 @@ def _producer(
                 tma.async_copy_global_to_shared(v_desc, [page * rows_per_page + head_row, head_col],
                                                 v_ready.index(vs), v_bufs.index(vs).slice(j * PAGE_SIZE, PAGE_SIZE))
         else:
-            key = split_lo + t * BLOCK_N + ttgl.arange(0, BLOCK_N, layout=rows_l)
+            key = split_lo + t * BLOCK_N
             mbarrier.wait(k_empty.index(ks), ((t // K_STAGES) & 1) ^ 1)
             _gather_tile(k_bufs.index(ks), k_ptr, page_ptr, key, split_hi, head_off, stride_kp, stride_kt,
                          PAGE_SIZE, HEAD_DIM)
             mbarrier.wait(v_empty.index(vs), ((t // V_STAGES) & 1) ^ 1)
             _gather_tile(v_bufs.index(vs), v_ptr, page_ptr, key, split_hi, head_off, stride_kp, stride_kt,
                          PAGE_SIZE, HEAD_DIM)
+            async_copy.commit_group()
             async_copy.wait_group(0)
             mbarrier.arrive(k_ready.index(ks))
             mbarrier.arrive(v_ready.index(vs))
@@ -160,38 +168,40 @@ def _softmax_tile(qk, l_i, m_i, keys, tile_lo, split_hi, qk_scale, MASK: ttgl.co
 
 
 @gluon.jit
-def _next_tile(t, q_rows, k_bufs, v_bufs, bars, acc, p16, l_i, m_i, s_zero, keys, split_lo, split_hi, qk_scale,
-               MASK: ttgl.constexpr):
-    """Tile ``t``'s scores and tile ``t - 1``'s P·V issued together; tile ``t``'s softmax
-    while the product runs; the output rescaled once it is done. Returns the new
-    ``(acc, p16, l, m)``, ``p16`` being tile ``t``'s weights for the next P·V."""
+def _tile_step(t, q_rows, k_bufs, v_bufs, bars, acc, qk, l_i, m_i, s_zero, keys, split_lo, split_hi, qk_scale,
+               p_layout: ttgl.constexpr, MASK: ttgl.constexpr, NEXT: ttgl.constexpr):
+    """Tile ``t``: (NEXT) tile ``t + 1``'s scores issued, tile ``t``'s softmax on ``qk``
+    while they run, the output rescaled, then tile ``t``'s P·V, waited with the scores.
+    Only products' outputs are in flight during the softmax (never operand registers),
+    so ptxas has no reason to wait for them before it. Returns ``(acc, qk_next, l, m)``."""
     _, k_ready, v_ready, k_empty, v_empty = bars
     K_STAGES: ttgl.constexpr = k_bufs.shape[0]
     V_STAGES: ttgl.constexpr = v_bufs.shape[0]
     BLOCK_N: ttgl.constexpr = k_bufs.shape[1]
-    ks = t % K_STAGES
-    vs = (t - 1) % V_STAGES
-    if t >= 2:
-        # Release tile t - 1's K and tile t - 2's V, done since the last iteration's final
-        # wait. Not sooner: an arrival releases every shared-memory read before it, so
-        # with a product in flight ptxas would wait for it there, and it schedules the
-        # arrivals early (at the top of this block, after that wait, they cannot move).
+    if t >= 1:
+        # Tile t - 1's K and V are done (the last step's final wait); released here, at
+        # the top of the step, where no product is in flight (an arrival releases every
+        # shared-memory read before it, so ptxas would wait for one in flight).
         mbarrier.arrive(k_empty.index((t - 1) % K_STAGES))
-        mbarrier.arrive(v_empty.index((t - 2) % V_STAGES))
-    mbarrier.wait(k_ready.index(ks), (t // K_STAGES) & 1)
-    fence_async_shared()
-    qk = warpgroup_mma(q_rows, k_bufs.index(ks).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    mbarrier.wait(v_ready.index(vs), ((t - 1) // V_STAGES) & 1)
+        mbarrier.arrive(v_empty.index((t - 1) % V_STAGES))
+    if NEXT:
+        kn = (t + 1) % K_STAGES
+        mbarrier.wait(k_ready.index(kn), ((t + 1) // K_STAGES) & 1)
+        fence_async_shared()
+        qk_next = warpgroup_mma(q_rows, k_bufs.index(kn).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    p, alpha, l_i, m_i = _softmax_tile(qk, l_i, m_i, keys, split_lo + t * BLOCK_N, split_hi, qk_scale, MASK)
+    acc = acc * ttgl.expand_dims(ttgl.convert_layout(alpha, ttgl.SliceLayout(1, acc.type.layout)), 1)
+    p16 = ttgl.convert_layout(p.to(k_bufs.dtype), p_layout)
+    vs = t % V_STAGES
+    mbarrier.wait(v_ready.index(vs), (t // V_STAGES) & 1)
     fence_async_shared()
     acc = warpgroup_mma(p16, v_bufs.index(vs), acc, is_async=True)
-    qk = warpgroup_mma_wait(1, deps=(qk,))  # the scores are done; P·V may still run
-    p, alpha, l_i, m_i = _softmax_tile(qk, l_i, m_i, keys, split_lo + t * BLOCK_N, split_hi, qk_scale, MASK)
-    # The product still reads p16's registers: kept alive to here, they cannot hold the
-    # new weights (else ptxas waits for the product before the softmax).
-    acc, p16 = warpgroup_mma_wait(0, deps=(acc, p16))
-    acc = acc * ttgl.expand_dims(ttgl.convert_layout(alpha, ttgl.SliceLayout(1, acc.type.layout)), 1)
-    p16 = ttgl.convert_layout(p.to(k_bufs.dtype), p16.type.layout)
-    return acc, p16, l_i, m_i
+    if NEXT:
+        qk_next, acc = warpgroup_mma_wait(0, deps=(qk_next, acc))
+    else:
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        qk_next = qk
+    return acc, qk_next, l_i, m_i
 
 
 @gluon.jit
@@ -204,7 +214,7 @@ def _consumer(
     HALF: ttgl.constexpr, GROUP_SIZE: ttgl.constexpr, HEAD_DIM: ttgl.constexpr,
 ):
     """Rows ``HALF * 64 .. + 64`` of the tile: the key loop, then the finished state."""
-    q_bar, k_ready, v_ready, k_empty, v_empty = bars
+    q_bar, k_ready, _, k_empty, v_empty = bars
     K_STAGES: ttgl.constexpr = k_bufs.shape[0]
     V_STAGES: ttgl.constexpr = v_bufs.shape[0]
     BLOCK_N: ttgl.constexpr = k_bufs.shape[1]
@@ -225,34 +235,21 @@ def _consumer(
 
     mbarrier.wait(q_bar, 0)
     if n_tiles > 0:
-        # Tile 0's scores; then every iteration issues tile t's scores and tile t - 1's
-        # P·V together, and tile t's softmax is meant to run while that product is still
-        # on the tensor cores (FlashAttention-3's overlap inside a warpgroup; ptxas waits
-        # for it first, see the module docstring). Only the split's last tile
-        # can be partial; it runs in a loop of its own, so that the hot loop has no branch
-        # between a product's issue and its wait (ptxas waits for every product in
-        # flight at a branch).
+        # Tile 0's scores; then each step issues the next tile's scores before this tile's
+        # softmax, which runs while they are on the tensor cores (FlashAttention-3's
+        # overlap inside a warpgroup, with the scores rather than P·V in flight). Only the
+        # split's last tile can be partial: it is the last step, masked and with nothing
+        # next; the others have no branch between a product's issue and its wait.
         mbarrier.wait(k_ready.index(0), 0)
-        fence_async_shared()  # cp.async wrote through the generic proxy; wgmma reads through the async one
-        qk = warpgroup_mma(q_rows, k_bufs.index(0).permute((1, 0)), s_zero, use_acc=False)
-        mbarrier.arrive(k_empty.index(0))
-        p, _, l_i, m_i = _softmax_tile(qk, l_i, m_i, keys, split_lo, split_hi, qk_scale, True)
-        p16 = ttgl.convert_layout(p.to(k_bufs.dtype), p_l)  # registers only: the layouts line up
-        n_full = ttgl.maximum((split_hi - split_lo) // BLOCK_N, 1)
-        for t in range(1, n_full):
-            acc, p16, l_i, m_i = _next_tile(t, q_rows, k_bufs, v_bufs, bars, acc, p16, l_i, m_i, s_zero, keys,
-                                            split_lo, split_hi, qk_scale, False)
-        for t in range(n_full, n_tiles):
-            acc, p16, l_i, m_i = _next_tile(t, q_rows, k_bufs, v_bufs, bars, acc, p16, l_i, m_i, s_zero, keys,
-                                            split_lo, split_hi, qk_scale, True)
-        if n_tiles >= 2:  # what the last iteration left to release
-            mbarrier.arrive(k_empty.index((n_tiles - 1) % K_STAGES))
-            mbarrier.arrive(v_empty.index((n_tiles - 2) % V_STAGES))
-        last = (n_tiles - 1) % V_STAGES
-        mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // V_STAGES) & 1)
         fence_async_shared()
-        acc = warpgroup_mma(p16, v_bufs.index(last), acc)
-        mbarrier.arrive(v_empty.index(last))
+        qk = warpgroup_mma(q_rows, k_bufs.index(0).permute((1, 0)), s_zero, use_acc=False)
+        for t in range(n_tiles - 1):
+            acc, qk, l_i, m_i = _tile_step(t, q_rows, k_bufs, v_bufs, bars, acc, qk, l_i, m_i, s_zero, keys,
+                                           split_lo, split_hi, qk_scale, p_l, False, True)
+        acc, qk, l_i, m_i = _tile_step(n_tiles - 1, q_rows, k_bufs, v_bufs, bars, acc, qk, l_i, m_i, s_zero,
+                                       keys, split_lo, split_hi, qk_scale, p_l, True, False)
+        mbarrier.arrive(k_empty.index((n_tiles - 1) % K_STAGES))
+        mbarrier.arrive(v_empty.index((n_tiles - 1) % V_STAGES))
 
     # ---- finish (softmax.finish_state's rules) and store
     l_o = ttgl.convert_layout(l_i, row_o)
