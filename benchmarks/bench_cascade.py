@@ -20,6 +20,8 @@ fit in 3x L2 are marked). Timing is CUDA-graph replay, median (``_common.bench_r
 Side by side, on the same pools and page tables:
 
 * ours cascade: ``MultiLevelCascadeAttention.plan(..., use_cascade=True)`` + ``run``;
+* ours cascade, Hopper prefix: the same with ``backend="hopper"`` (compute capability 9.0
+  only; a prefix level the Hopper kernel declines is reported, not timed);
 * ours flat: ``use_cascade=False`` (one paged decode over each request's concatenated pages);
 * ours planner: ``use_cascade=None``; its time is that of the path it picked, and the
   check is that it is within 5% of the better of cascade and flat (PASS/FAIL);
@@ -73,9 +75,9 @@ from benchmarks.fixtures import (
     BAR_SHAPES,
     DTYPE,
     HQ,
-    PAGE,
     MAX_ROTATIONS,
     MIN_POOL_BYTES,
+    PAGE,
     Method,
     Shape,
     Workload,
@@ -86,6 +88,7 @@ from benchmarks.fixtures import (
     ours,
     sdpa,
 )
+from cascadeinfer.kernels.backend import hopper_unavailable
 
 BAR_HEADS = ((8, 128),)  # (Hkv, head_dim)
 GENERALITY_HEADS = ((1, 128), (32, 128), (8, 64), (8, 256))
@@ -100,10 +103,11 @@ MAX_GRID_KV_BYTES = 30e9  # skip grid combinations whose unique K/V is larger
 
 PLANNER_TOLERANCE = 1.05
 
-METHODS = ("cascade", "flat", "planner", "fi_cascade", "fi_shipped", "fi_flat", "sdpa")
+METHODS = ("cascade", "hopper", "flat", "planner", "fi_cascade", "fi_shipped", "fi_flat", "sdpa")
 OURS = ("cascade", "flat", "planner")
 METHOD_TITLES = {
     "cascade": "ours cascade",
+    "hopper": "ours cascade, Hopper prefix",
     "flat": "ours flat",
     "planner": "ours planner",
     "fi_cascade": "FI cascade (fa2 x2 + merge)",
@@ -195,6 +199,8 @@ def run_shape(shape: Shape, ceil: Ceilings, *, device, fi, peers: bool, fi_jit: 
         "flat": lambda: ours(wl, False),
         "planner": lambda: ours(wl, None),
     }
+    if hopper_unavailable(device) is None:  # the prefix level on backend="hopper" (a decline is a table entry)
+        builders["hopper"] = lambda: ours(wl, True, "hopper")
     if peers:
         if fi is None:
             pass  # load_flashinfer said why, once; the FlashInfer columns stay "—"

@@ -168,9 +168,9 @@ def poisoned(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> None:
         t.fill_(float("nan"))
 
 
-def ours(wl: Workload, use_cascade: bool | None) -> Method:
+def ours(wl: Workload, use_cascade: bool | None, backend: str | None = None) -> Method:
     s = wl.shape
-    attn = MultiLevelCascadeAttention(2, kv_layout="NHD", device=wl.device)
+    attn = MultiLevelCascadeAttention(2, kv_layout="NHD", device=wl.device, backend=backend)
     attn.plan(*wl.tables(), s.hq, s.hkv, s.head_dim, PAGE, num_pages=wl.num_pages, dtype=DTYPE,
               use_cascade=use_cascade)
     outs, lses = wl.out_buffers()
