@@ -21,7 +21,9 @@ page 16, two levels: one prefix group + each request's suffix):
   and three levels (the prefix cut in two);
 * ours single launchers with ``validate=False``: ``batch_decode_paged`` on the flat table,
   ``batch_prefill_paged`` on the prefix level, ``merge_state``, ``merge_states`` (4
-  states), ``append_paged_kv_cache`` (one token per request);
+  states), ``append_paged_kv_cache`` (one token per request); on compute capability 9.0
+  also ``batch_prefill_paged(backend="hopper")`` where the Hopper kernel takes the prefix
+  level (its launches replay through Triton's launcher, which encodes its TMA descriptors);
 * ours ``plan()`` of the two-level batch (host tables in, includes its device copies);
 * FlashInfer: its fastest cascade ``run`` (two fa2 ``BatchPrefillWithPagedKVCacheWrapper``
   levels + ``merge_state_in_place``) and ``BatchDecodeWithPagedKVCacheWrapper.run``
@@ -71,6 +73,7 @@ from cascadeinfer import (
     merge_state,
     merge_states,
 )
+from cascadeinfer.kernels.backend import hopper_unavailable
 
 HOST_SHAPES = ((64, 8192, 256), (4, 16384, 16384), (8, 128, 2048))  # (batch, prefix, suffix)
 BATCH_OF_CALLS = 50
@@ -158,6 +161,18 @@ def host_calls(shape: Shape, fi, device: torch.device) -> dict[str, Callable[[],
         "ours append_paged_kv_cache": lambda: append_paged_kv_cache(
             new_k, new_v, rows_b, pos, pool, wl.flat_indices, wl.flat_indptr, wl.flat_last, validate=False),
     }
+    if hopper_unavailable(device) is None:
+
+        def hopper():
+            return batch_prefill_paged(q, wl.qo_indptr[0], pool, wl.kv_indptr[0], wl.kv_indices[0], wl.kv_last[0],
+                                       out=out, lse=lse, validate=False, backend="hopper")
+
+        try:
+            hopper()
+        except ValueError as exc:  # the Hopper kernel declines this shape: no row
+            print(f"# {shape.batch, shape.prefix, shape.suffix}: {exc}", file=sys.stderr)
+        else:
+            calls_by_name["ours batch_prefill_paged (prefix level), Hopper, out given"] = hopper
     if fi is not None:
         calls_by_name["FlashInfer cascade run (fa2 x2 + merge)"] = fi_cascade(fi, wl).call(0)
         w = fi.BatchDecodeWithPagedKVCacheWrapper(torch.zeros(256 * 2**20, dtype=torch.uint8, device=device),

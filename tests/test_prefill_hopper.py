@@ -63,9 +63,11 @@ def test_hopper_declines_here_and_portable_runs(device):
         check_state(out, lse, *ref, torch.bfloat16)
 
 
-def _meta_source(*, page_size=16, hkv=8, d=128, dtype=torch.bfloat16, layout="NHD", paged=True, pad_page=0):
+def _meta_source(*, page_size=16, hkv=8, d=128, dtype=torch.bfloat16, layout="NHD", paged=True, pad_page=0,
+                 num_indices=2):
     """A meta cache's KV side; ``pad_page``: elements of padding after every page (the
-    tuple form), so that a page is not a whole number of token rows."""
+    tuple form), so that a page is not a whole number of token rows; ``num_indices``: the
+    page table's length."""
     if pad_page:
         per_page = page_size * hkv * d + pad_page
         k = torch.empty(64 * per_page, dtype=dtype, device="meta").as_strided(
@@ -76,7 +78,7 @@ def _meta_source(*, page_size=16, hkv=8, d=128, dtype=torch.bfloat16, layout="NH
                             dtype=dtype, device="meta")
     kv = unpack_paged_kv_cache(cache, layout)
     i32 = torch.empty(2, dtype=torch.int32, device="meta")
-    source = P.paged_source(kv, i32, i32, i32)
+    source = P.paged_source(kv, i32, torch.empty(num_indices, dtype=torch.int32, device="meta"), i32)
     if not paged:
         source = P.KVSource(kv.k, kv.v, False, 1, hkv, (0, *source.k_strides[1:]), (0, *source.v_strides[1:]), i32)
     return source
@@ -121,20 +123,37 @@ def test_prefill_declines_reasons(monkeypatch, change, reason):
     got = B.prefill_declines(q, _AlignedKV(kv), change.get("causal", False), change.get("block_m", 128))
     if reason is None:
         assert got is None
-        assert B.pick_prefill_backend("hopper", q, _AlignedKV(kv), False, 128) == "hopper"
-        assert B.pick_prefill_backend("portable", q, _AlignedKV(kv), False, 128) == "portable"
-        # None takes it only once it is measured faster (benchmarks/NOTES.md)
-        expect = "hopper" if B.HOPPER_PREFILL_BY_DEFAULT else "portable"
-        assert B.pick_prefill_backend(None, q, _AlignedKV(kv), False, 128) == expect
-        monkeypatch.setattr(B, "HOPPER_PREFILL_BY_DEFAULT", True)
-        assert B.pick_prefill_backend(None, q, _AlignedKV(kv), False, 128) == "hopper"
+        assert B.pick_prefill_backend("hopper", q, _AlignedKV(kv), False, 128, 3) == "hopper"
+        assert B.pick_prefill_backend("portable", q, _AlignedKV(kv), False, 128, 1) == "portable"
+        assert B.pick_prefill_backend(None, q, _AlignedKV(kv), False, 128, 1) == "portable"  # 400 rows x 32 keys
     else:
         assert reason in got
-        assert B.pick_prefill_backend(None, q, _AlignedKV(kv), change.get("causal", False),
-                                      change.get("block_m", 128)) == "portable"
+        big = _meta_source(d=d, dtype=dtype, paged=change.get("paged", True), page_size=change.get("page_size", 16),
+                           pad_page=change.get("pad_page", 0), num_indices=2**20)  # work enough for None
+        assert B.pick_prefill_backend(None, q, _AlignedKV(big), change.get("causal", False),
+                                      change.get("block_m", 128), 1) == "portable"
         with pytest.raises(ValueError, match=reason):
             B.pick_prefill_backend("hopper", q, _AlignedKV(kv), change.get("causal", False),
-                                   change.get("block_m", 128))
+                                   change.get("block_m", 128), 1)
+
+
+@pytest.mark.parametrize("tokens,keys,groups,expect", [
+    (256, 8192, 1, "hopper"),  # 1024 packed rows x 8192 keys: the threshold
+    (255, 8192, 1, "portable"),
+    (64, 32768, 1, "hopper"),
+    (512, 4096, 1, "hopper"),
+    (64, 16384, 1, "portable"),
+    (128, 8192, 1, "portable"),  # measured 1.09x: below the 10% rule
+    (256, 8192, 2, "portable"),  # several groups: their sizes are not in the shapes
+])
+def test_hopper_default_rule(monkeypatch, tokens, keys, groups, expect):
+    """backend=None takes the Hopper kernel for one group of >= 2^23 packed rows x keys (the
+    shapes where it measured >= 10% faster), where it runs; "portable" never does."""
+    monkeypatch.setattr(B, "hopper_unavailable", lambda device: None)
+    q = _FakeTensor((tokens, 32, 128))
+    kv = _AlignedKV(_meta_source(num_indices=keys // 16))
+    assert B.pick_prefill_backend(None, q, kv, False, 128, groups) == expect
+    assert B.pick_prefill_backend("portable", q, kv, False, 128, groups) == "portable"
 
 
 class _AlignedKV:
@@ -298,6 +317,54 @@ def test_hopper_cuda_graph_replays_new_inputs():
     graph.replay()
     torch.cuda.synchronize()
     check_state(out, lse, *P.batch_prefill_paged_ref(*args), torch.bfloat16)
+
+
+@hopper_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ["single", "tuple"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_hopper_eager_replay_repoints_descriptors(form, splits):
+    """A second eager call of the same signature replays the first call's launches with
+    every TMA descriptor re-encoded on the new tensors' addresses: new q, a new cache (K
+    and V at new addresses, both cache forms), new outputs; the recording is kept."""
+    device = torch.device("cuda")
+    shape = dict(qo_lens=[64, 30], kv_lens=[2000, 700], hkv=8, group=4, head_dim=128, dtype=torch.bfloat16,
+                 page_size=16, form=form)
+    q, args = _case(device, seed=8, **shape)
+    out, lse = poisoned(q)
+    batch_prefill_paged(*args, out=out, lse=lse, validate=False, num_splits=splits, backend="hopper")  # records
+    check_state(out, lse, *P.batch_prefill_paged_ref(*args), torch.bfloat16)
+    recordings = [r for r in P._PAGED._items.values() if r.valid and any(ln.descriptors for ln in r.launches)]
+    assert recordings, "the Hopper call's recording was not kept"
+    q2, args2 = _case(device, seed=9, **shape)  # same signature, new tensors everywhere
+    out2, lse2 = poisoned(q2)
+    batch_prefill_paged(*args2, out=out2, lse=lse2, validate=False, num_splits=splits, backend="hopper")
+    check_state(out2, lse2, *P.batch_prefill_paged_ref(*args2), torch.bfloat16)
+    del q, args, out, lse  # the recorded call's tensors are freed: a replay reads nothing of them
+    torch.cuda.empty_cache()
+    for _ in range(2):  # outputs left to the launcher: recorded, then replayed
+        o3, l3 = batch_prefill_paged(*args2, validate=False, num_splits=splits, backend="hopper")
+        check_state(o3, l3, *P.batch_prefill_paged_ref(*args2), torch.bfloat16)
+
+
+@hopper_gpu
+@pytest.mark.gpu
+def test_hopper_is_the_default_for_a_large_group():
+    """backend=None runs the Hopper kernel on one group of 2^23 packed rows x keys (256
+    queries x G 4 over 8192 keys), the portable kernel below it; both against float64."""
+    device = torch.device("cuda")
+    for qo_len, expect in ((256, True), (64, False)):
+        q, args = _case(device, qo_lens=[qo_len], kv_lens=[8192], hkv=2, group=4, head_dim=128,
+                        dtype=torch.bfloat16, page_size=16, seed=10)
+        out, lse = poisoned(q)
+        before = {id(r) for r in P._PAGED._items.values()}
+        batch_prefill_paged(*args, out=out, lse=lse, validate=False)  # a new signature: recorded
+        check_state(out, lse, *P.batch_prefill_paged_ref(*args), torch.bfloat16)
+        new = [r for r in P._PAGED._items.values() if id(r) not in before]
+        assert new, "the call was not recorded"
+        assert any(ln.descriptors for r in new for ln in r.launches) == expect
+    casc = MultiLevelCascadeAttention(2, device=device)
+    assert casc.backend == "portable"  # beside the decode level the Hopper kernel is slower
 
 
 def _two_levels(device, *, batch, prefix, hkv, group, d, ps, dtype, seed):

@@ -66,7 +66,7 @@ def two_streams(wl: Workload, prefix_splits: int, parts: str = "both", *, prefix
 
         def prefix():
             P.run_prefill(q, qo[0], source, o_p, l_p, causal=False, sm_scale=wl.shape.head_dim ** -0.5,
-                   num_splits=prefix_splits)
+                   num_splits=prefix_splits, backend="portable")  # the cascade's prefix level
 
         def suffix():
             decode_with_config(q, pool, kp[1], suffix_idx, kl[1], kv_layout="NHD", sm_scale=None, num_splits=None,

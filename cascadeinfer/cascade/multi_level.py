@@ -228,12 +228,15 @@ class MultiLevelCascadeAttention:
             collective sits between them) and outside ``torch.compile``; not with
             ``use_cuda_graph``, nor on a causal last level.
         context_parallel_group: the process group (default: the default group).
-        backend: the prefill kernel of the levels above the last, as in
-            :func:`~cascadeinfer.batch_prefill_paged`: ``None`` (the default choice),
-            ``"portable"`` or ``"hopper"`` (the warp-specialised kernel on compute
-            capability 9.0 for every such level; a level it does not run, e.g. a group of
-            fewer than 65 packed rows, raises a ``ValueError`` at ``run``). Decode levels
-            always run the decode kernel.
+        backend: the prefill kernel of the levels above the last: ``None`` or
+            ``"portable"`` (the portable kernel), or ``"hopper"`` (the warp-specialised
+            kernel on compute capability 9.0 for every such level; a level it does not
+            run, e.g. a group of fewer than 65 packed rows, raises a ``ValueError`` at
+            ``run``). ``None`` does not pick the Hopper kernel here as
+            :func:`~cascadeinfer.batch_prefill_paged` does for large groups: beside the
+            decode level on its side stream it is slower, each of its programs holding a
+            whole multiprocessor (benchmarks/RESULTS.md). Decode levels always run the
+            decode kernel.
 
     Example (two levels, shared-prefix batch decode)::
 
@@ -250,7 +253,7 @@ class MultiLevelCascadeAttention:
                  backend: str | None = None):
         if not isinstance(num_levels, int) or isinstance(num_levels, bool) or num_levels < 1:
             raise ValueError(f"num_levels: expected a positive int, got {num_levels!r}")
-        self.backend = check_backend(backend)
+        self.backend = check_backend(backend) or "portable"
         self.num_levels = num_levels
         if not isinstance(use_cuda_graph, bool):
             raise TypeError(f"use_cuda_graph: expected a bool, got {type(use_cuda_graph).__name__}")

@@ -6,12 +6,13 @@ arguments and ``(o, lse)`` contract as the portable kernel it accelerates. Every
 launcher that has one takes ``backend``:
 
 * ``None`` (default): the device-specific kernel where it runs (device, Triton version,
-  shapes; see :func:`prefill_declines`) and is measured faster, else the portable kernel
-  — silently, since both give the same answer. The Hopper prefill kernel is 1.10-1.18x
-  the portable one at >= 256 queries over >= 8K keys, slower below 4K (benchmarks/NOTES.md, "Prefix / prefill kernel", v5), but its launches
-  are not yet replayed from recordings (their TMA descriptors hold the cache's address),
-  so an eager call would pay Triton's whole launch path; ``None`` runs the portable
-  kernel until they are.
+  shapes; see :func:`prefill_declines`) and is measured at least 10% faster, else the
+  portable kernel — silently, since both give the same answer. For the Hopper prefill
+  kernel that is one group (shared-prefix attention) of at least
+  :data:`HOPPER_PREFILL_MIN_WORK` packed query rows x keys (:func:`pick_prefill_backend`;
+  benchmarks/NOTES.md, "Prefix / prefill kernel", v5). A cascade's prefix levels run
+  beside its decode level, where the Hopper kernel is slower: there ``None`` means
+  the portable kernel (:class:`~cascadeinfer.MultiLevelCascadeAttention`).
 * ``"portable"``: always the portable ``tl.dot`` kernel (the reference; what the CPU
   interpreter runs).
 * ``"hopper"``: the Hopper kernel, or a ``ValueError`` saying why it cannot run here.
@@ -33,10 +34,13 @@ BACKENDS = ("portable", "hopper")
 # Triton versions the Hopper kernels were tested with (Gluon's API moves between releases).
 HOPPER_TRITON_VERSIONS = ("3.6.",)
 
-# Whether backend=None picks the Hopper prefill kernel where it runs: only where it is at
-# least 10% faster than the portable kernel (>= 256 queries over >= 8K keys, 128 over
-# >= 32K) and once its launches replay from recordings like the others (eager host cost).
-HOPPER_PREFILL_BY_DEFAULT = False
+# backend=None picks the Hopper prefill kernel for one group of at least this many packed
+# query rows x keys (an upper bound from shapes: rows x the page table's capacity). On the
+# H100 grid (Hq 32, Hkv 8, D 128, bf16, page 16) every shape at or above it ran 1.10-1.23x
+# the portable kernel's speed, and every shape below it but one less than 1.10x (0.86-1.09x;
+# 1024 rows over 4K keys, 1.10x, is left out); benchmarks/NOTES.md, "Prefix / prefill
+# kernel", v5.
+HOPPER_PREFILL_MIN_WORK = 2**23
 
 # The Hopper prefill kernel's head dims and (BLOCK_N, K slots, V slots) for each: shared
 # memory is (128 Q rows + slots * BLOCK_N) * head_dim * 2 bytes (224 KiB at 128, 144 KiB
@@ -121,13 +125,20 @@ def tma_rows(kv) -> int | None:
     return rows if rows < 2**31 else None
 
 
-def pick_prefill_backend(backend: str | None, q: torch.Tensor, kv, causal: bool, block_m: int) -> str:
-    """The backend a prefill launch runs on (see the module docstring)."""
-    if backend == "portable" or (backend is None and not HOPPER_PREFILL_BY_DEFAULT):
+def pick_prefill_backend(backend: str | None, q: torch.Tensor, kv, causal: bool, block_m: int,
+                         num_groups: int) -> str:
+    """The backend a prefill launch of ``num_groups`` groups runs on (see the module
+    docstring): ``backend`` if given (``"hopper"`` raising where it cannot run); for None
+    the Hopper kernel where it runs, on one group of at least :data:`HOPPER_PREFILL_MIN_WORK`
+    packed rows x keys, else the portable kernel."""
+    if backend == "portable":
         return "portable"
     reason = prefill_declines(q, kv, causal, block_m)
-    if reason is None:
-        return "hopper"
     if backend == "hopper":
-        raise ValueError(f"backend='hopper': the Hopper prefill kernel does not run {reason}")
+        if reason is not None:
+            raise ValueError(f"backend='hopper': the Hopper prefill kernel does not run {reason}")
+        return "hopper"
+    rows = q.shape[0] * (q.shape[1] // kv.num_kv_heads)
+    if reason is None and num_groups == 1 and rows * kv.max_kv_len >= HOPPER_PREFILL_MIN_WORK:
+        return "hopper"
     return "portable"

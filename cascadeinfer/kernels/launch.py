@@ -77,6 +77,35 @@ class _Launch:
     counters: list[tuple[int, int]]  # (arg index, byte offset in the counter block)
     views: dict[int, tuple | None]  # arg index -> (dtype, size, stride) of the view it was (interpreter); None: a root, whole
     keep: list[torch.Tensor] = field(default_factory=list)
+    # (arg index, root index, byte offset, descriptor): TMA descriptors over a root (CUDA),
+    # rebuilt on the new root's address by every replay (see _Descriptor).
+    descriptors: list[tuple[int, int, int, object]] = field(default_factory=list)
+
+
+class _Address:
+    """Stands in for a descriptor's base tensor in a replay: all that Triton's launcher
+    reads of it is ``data_ptr()``, from which it encodes the descriptor."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+
+class _Descriptor:
+    """A recorded TMA descriptor (Gluon's host ``TensorDescriptor``) re-pointed at a new
+    base address: the same shape, strides, block and padding, which the call's signature
+    fixes. Triton's launcher encodes a fresh ``CUtensorMap`` from it for each launch."""
+
+    __slots__ = ("base", "block_shape", "layout", "padding", "shape", "strides")
+
+    def __init__(self, recorded, ptr: int) -> None:
+        self.base = _Address(ptr)
+        self.shape, self.strides, self.padding = recorded.shape, recorded.strides, recorded.padding
+        self.block_shape, self.layout = recorded.block_shape, recorded.layout
 
 
 # The C launcher's leading arguments: grid x/y/z, stream, function, cooperative, PDL,
@@ -212,6 +241,8 @@ class Recording:
                 args[i] = base + off
             for i, off in ln.counters:
                 args[i] = counts + off
+            for i, r, off, desc in ln.descriptors:
+                args[i] = _Descriptor(desc, ptrs[r] + off)
             if hooked:  # a profiler listens: Triton's own path, with launch metadata and hooks
                 c = ln.compiled
                 c.run(*ln.grid, stream, c.function, c.packed_metadata,
@@ -226,6 +257,9 @@ class Recording:
         ``()`` if any one cannot be."""
         prepared = []
         for ln in self.launches:
+            if ln.descriptors:  # encoded per launch by Triton's launcher (the C launcher packs fixed bytes)
+                prepared = []
+                break
             patches = {i - _HEAD: (r, off) for i, r, off in ln.roots}
             patches.update({i - _HEAD: (num_roots, off) for i, off in ln.scratch})
             patches.update({i - _HEAD: (num_roots + 1, off) for i, off in ln.counters})
@@ -268,10 +302,22 @@ class Recording:
                     *(given[p.name] if p.name in given else p.default for p in kernel.params)]
             head = _HEAD
             meta = {}
-        if any(isinstance(getattr(a, "base", None), torch.Tensor) for a in args):
-            self.valid = False  # a TMA descriptor holds an address a replay could not re-point
-        roots, scratch, counts, views, kept, keep = [], [], [], {}, list(args), []
+        roots, scratch, counts, views, kept, keep, descriptors = [], [], [], {}, list(args), [], []
         for i, a in enumerate(args):
+            base = getattr(a, "base", None)
+            if i >= head and isinstance(base, torch.Tensor):
+                # A TMA descriptor: over a root it is rebuilt on the new address in every
+                # replay (through Triton's launcher, which encodes it); over a tensor the
+                # owner keeps it stays as it is; over anything else it cannot be replayed.
+                ref = self._where(base)
+                if ref is None:
+                    continue
+                if ref[0] != "root" or compiled is None:
+                    self.valid = False
+                    continue
+                descriptors.append((i, ref[1], ref[2], _Descriptor(a, 0)))
+                kept[i] = None  # never keep the caller's tensor alive
+                continue
             if i < head or not isinstance(a, torch.Tensor):
                 continue
             ref = self._where(a)
@@ -300,7 +346,8 @@ class Recording:
                 kept[i] = a.data_ptr()
         if self.keep_scratch:
             scratch, counts = [], []  # the scratch and counter tensors themselves stay in the argument list
-        self.launches.append(_Launch(kernel, compiled, grid, kept, meta, roots, scratch, counts, views, keep))
+        self.launches.append(_Launch(kernel, compiled, grid, kept, meta, roots, scratch, counts, views, keep,
+                                     descriptors))
 
     def _is_root(self, t: torch.Tensor, index: int) -> bool:
         root = self._roots[index]

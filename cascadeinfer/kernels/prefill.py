@@ -193,8 +193,9 @@ def launch_prefill(
 def _launch_hopper(q, qo_indptr, kv: KVSource, o_dest, lse_dest, sm_scale: float, num_groups: int,
                    num_tiles: int) -> None:
     """The Hopper kernel on the portable kernel's grid (128-row tiles, same splits). Its
-    TMA descriptors hold the cache's address, so the launch is never replayed from a
-    recording (``launch`` marks recordings with such arguments invalid)."""
+    TMA descriptors hold the cache's address: a recording keeps their shape and re-points
+    them at each replay's cache, through Triton's launcher (which encodes them per launch)
+    rather than the direct one."""
     # Imported on first use: Gluon, GPU only.
     from triton.experimental.gluon.language import NVMMASharedLayout, bfloat16, float16  # noqa: PLC0415
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: PLC0415
@@ -247,12 +248,15 @@ def run_prefill(
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick tiles, splits and the backend (:mod:`cascadeinfer.kernels.backend`) from
-    shapes, launch, merge the splits into ``out``/``lse``."""
+    shapes, launch, merge the splits into ``out``/``lse``. A forced ``config`` or
+    ``address`` (the portable kernel's knobs) with ``backend=None`` runs the portable kernel."""
     nnz_qo, num_qo_heads, head_dim = q.shape
+    num_groups = 1 if qo_indptr is None else qo_indptr.shape[0] - 1
+    if backend is None and (config is not None or address is not None):
+        backend = "portable"
     if config is None:
-        num_groups = 1 if qo_indptr is None else qo_indptr.shape[0] - 1
         config = groups_tile_config(nnz_qo, num_groups, num_qo_heads // kv.num_kv_heads, head_dim, q.dtype)
-    backend = pick_prefill_backend(backend, q, kv, causal, config.block_m)
+    backend = pick_prefill_backend(backend, q, kv, causal, config.block_m, num_groups)
     if num_splits is None:
         num_splits = default_num_splits(_grid_tiles(q, qo_indptr, kv, config)[1], kv.num_kv_heads, kv.max_kv_len,
                                         q.device)
@@ -373,10 +377,11 @@ def batch_prefill_paged(
         num_splits: KV splits per group (their states merged into ``out``); None: as
             many as fill one wave of programs (:func:`default_num_splits`, from shapes).
             Fewer leave SMs free for work on another stream (the cascade's suffix decode).
-        backend: ``None`` (today the portable kernel), ``"portable"`` or ``"hopper"``
-            (the warp-specialised TMA kernel on compute capability 9.0, 1.10-1.18x faster
-            at >= 256 queries over >= 8K keys, not replayed from recordings yet; a ``ValueError``
-            where it cannot run): :mod:`cascadeinfer.kernels.backend`.
+        backend: ``None`` (the Hopper kernel where it runs and is measured >= 10% faster:
+            one group of >= 2^23 packed rows x keys; else the portable kernel),
+            ``"portable"`` or ``"hopper"`` (the warp-specialised TMA kernel on compute
+            capability 9.0, 1.09-1.23x faster at >= 128 queries over >= 8K shared keys; a
+            ``ValueError`` where it cannot run): :mod:`cascadeinfer.kernels.backend`.
 
     Returns:
         ``(o, lse)``: ``o`` like ``q``; ``lse`` float32 ``[nnz_qo, num_qo_heads]``, NATURAL

@@ -30,8 +30,10 @@ capture, the cascade) and runs 1.09-1.23x the portable kernel's speed at >= 128 
 over >= 8K keys (0.59-0.85 of the matmul rate), but slower on prefixes of 1K keys, and
 beside a decode level on a side stream (the cascade's schedule) it holds its SMs whole
 (all their registers and shared memory). The launchers run it when asked
-(``backend="hopper"``): its TMA descriptors hold the cache's address, so its launches are
-not replayed from recordings, and an eager call pays Triton's launch path.
+(``backend="hopper"``) and, with ``backend=None``, for one group of >= 2^23 packed rows x
+keys (:mod:`cascadeinfer.kernels.backend`); the cascade only when asked. Its TMA
+descriptors hold the cache's address: recordings re-point them in every replay, which
+goes through Triton's launcher (it encodes them) rather than the direct one.
 
 Numerics are the portable kernel's: scores in base 2 (``qk_scale = sm_scale * log2(e)``),
 float32 state, ``finish_state``'s rules for empty rows ``(0, -inf)`` and poisoned rows
