@@ -7,8 +7,8 @@ Run from the repository root on a GPU machine:
     python -m benchmarks.bench_prefix --quick     # a few shapes, no sweep
 
 The cascade level above the last: ``n`` decode queries (one token each, all in ONE group)
-attend to a shared prefix of ``L`` tokens. bf16, Hq=32, Hkv=8, D=128, page 16, the
-prefix's pages randomly permuted in the pool. FLOPs = 4·n·L·Hq·D (QK^T and PV); bytes =
+attend to a shared prefix of ``L`` tokens. bf16, Hq=32, Hkv=8, D=128 (``--hkv``,
+``--head-dim``), page 16, the prefix's pages randomly permuted in the pool. FLOPs = 4·n·L·Hq·D (QK^T and PV); bytes =
 the prefix's K and V plus q, o and lse. For each shape: our time (CUDA-graph replay,
 median), TFLOP/s, the fraction of the measured bf16 matmul rate, and the roofline floor
 ``max(bytes / copy bandwidth, flops / matmul rate)`` with the fraction of it we reach.
@@ -17,7 +17,7 @@ single-group page table, PyTorch SDPA (enable_gqa) on the prefix gathered into c
 [1, Hkv, L, D] K/V (the gather is not timed), and FlexAttention (compiled) on a few shapes.
 "Ours" is the portable kernel (``backend="portable"``); on a GPU of compute capability 9.0
 the ``hopper`` columns time the warp-specialised kernel (``backend="hopper"``) beside it
-(``backend=None`` takes it from 2^23 packed rows x keys: kernels/backend.py).
+(where ``backend=None`` takes it: kernels/backend.py).
 KV pools are rotated so the prefix is not served from L2 across calls. A sweep table
 compares tile configs and split counts on a few shapes. JSON goes to --json PATH.
 """
@@ -57,6 +57,13 @@ from cascadeinfer.kernels.backend import hopper_unavailable
 from cascadeinfer.kernels.prefill import batch_prefill_paged
 from cascadeinfer.kernels.reference import attention_state_ref
 from cascadeinfer.layouts.paged_cache import gather_paged_kv, unpack_paged_kv_cache
+
+
+
+def _pool(num_pages: int, device, layout: str = "NHD") -> torch.Tensor:
+    """A paged pool of this run's KV heads and head_dim (``--hkv``, ``--head-dim``)."""
+    return new_pool(num_pages, device, layout, num_kv_heads=HKV, head_dim=D)
+
 
 PREFIXES = (1024, 4096, 8192, 16384, 32768, 65536)
 QUERIES = (64, 128, 256, 512)
@@ -106,7 +113,7 @@ def check_correctness(fi) -> None:
     for layout in ("NHD", "HND"):
         for n, length in ((1, 1), (64, 1000), (128, 4097), (300, 20011)):
             pages = -(-length // PAGE)
-            pool = new_pool(pages + 7, dev, layout)
+            pool = _pool(pages + 7, dev, layout)
             indptr, indices, last = page_table(1, [length], pages + 7, dev, seed=length)
             q = torch.randn(n, HQ, D, device=dev, dtype=DTYPE)
             qo = torch.tensor([0, n], dtype=torch.int32, device=dev)
@@ -128,7 +135,7 @@ def check_correctness(fi) -> None:
     # Causal prefill of several groups (empty ones included), NHD.
     lens_q, lens_kv = [7, 0, 300, 1, 64], [7, 100, 2000, 0, 40]
     num_pages = sum(-(-x // PAGE) for x in lens_kv) + 5
-    pool = new_pool(num_pages, dev)
+    pool = _pool(num_pages, dev)
     indptr, indices, last = page_table(len(lens_kv), lens_kv, num_pages, dev, seed=3)
     qo = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32, device=dev)
     q = torch.randn(sum(lens_q), HQ, D, device=dev, dtype=DTYPE)
@@ -141,7 +148,7 @@ def check_correctness(fi) -> None:
     print("# correctness: ok (NHD/HND, split counts 1/3/default, sweep configs, causal multi-group)")
     if fi is not None:
         length, n = 20011, 128
-        pool = new_pool(-(-length // PAGE) + 3, dev)
+        pool = _pool(-(-length // PAGE) + 3, dev)
         indptr, indices, last = page_table(1, [length], pool.shape[0], dev)
         q = torch.randn(n, HQ, D, device=dev, dtype=DTYPE)
         qo = torch.tensor([0, n], dtype=torch.int32, device=dev)
@@ -182,7 +189,7 @@ class Shape:
         self.num_pages = -(-length // PAGE)
         self.indptr, self.indices, self.last = page_table(1, [length], self.num_pages, dev, seed=n + length)
         self.qo = torch.tensor([0, n], dtype=torch.int32, device=dev)
-        self.pools = [new_pool(self.num_pages, dev) for _ in range(self.rot)]
+        self.pools = [_pool(self.num_pages, dev) for _ in range(self.rot)]
         self.qs = [torch.randn(n, HQ, D, device=dev, dtype=DTYPE) for _ in range(self.rot)]
         self.outs = [torch.empty_like(q) for q in self.qs]
         self.lses = [torch.empty(n, HQ, device=dev) for _ in range(self.rot)]
@@ -279,14 +286,22 @@ def sweep_shape(n: int, length: int, mm_rate: float) -> dict:
 
 
 def main() -> None:
+    global HKV, D, SM_SCALE  # --hkv and --head-dim rebind the shape constants every function here reads
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a few shapes, no sweep, no flex")
     ap.add_argument("--no-sweep", action="store_true", help="skip the tile-config / split sweep")
     ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention (compiles per shape)")
+    ap.add_argument("--hkv", type=int, default=HKV, help=f"KV heads (Hq {HQ}; default {HKV})")
+    ap.add_argument("--head-dim", type=int, default=D, help=f"head_dim (default {D})")
+    ap.add_argument("--shapes", metavar="N:L,...", help="these (queries, prefix) shapes instead of the grid")
     ap.add_argument("--json", metavar="PATH", help="write the results and the environment here as JSON")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_prefix needs a CUDA device")
+    if HQ % args.hkv:
+        sys.exit(f"--hkv {args.hkv}: must divide Hq {HQ}")
+    HKV, D = args.hkv, args.head_dim
+    SM_SCALE = D ** -0.5
 
     env = environment()
     print(f"# {env}")
@@ -302,7 +317,10 @@ def main() -> None:
         except Exception as exc:
             print(f"# flex_attention unavailable: {type(exc).__name__}: {exc}", file=sys.stderr)
 
-    shapes = list(QUICK_SHAPES) if args.quick else [(n, L) for L in PREFIXES for n in QUERIES]
+    if args.shapes:
+        shapes = [tuple(int(x) for x in item.split(":")) for item in args.shapes.split(",")]
+    else:
+        shapes = list(QUICK_SHAPES) if args.quick else [(n, L) for L in PREFIXES for n in QUERIES]
     rows = []
     for n, length in shapes:
         row = time_shape(n, length, copy_bw, mm_rate, fi, flex)
@@ -331,7 +349,7 @@ def main() -> None:
         print("\n## tile configs × split counts (fraction of the bf16 matmul rate)\n")
         print(markdown_table(sweep, cols))
     print(f"\n## batch_prefill_paged, one group of n single-token queries over an L-token shared prefix; "
-          f"bf16, Hq=32, Hkv=8, D=128, page 16 (matmul {mm_rate / 1e12:.0f} TFLOP/s, "
+          f"bf16, Hq={HQ}, Hkv={HKV}, D={D}, page {PAGE} (matmul {mm_rate / 1e12:.0f} TFLOP/s, "
           f"copy {copy_bw / 1e9:.0f} GB/s)\n")
     print(markdown_table(rows, ["n", "L", "splits", "floor_us", "ours_us", "ours_TFLOPs", "ours_mm", "ours_floor",
                                 "hopper_us", "hopper_mm",

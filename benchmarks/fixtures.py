@@ -329,8 +329,9 @@ def page_table(batch: int, lens: list[int], num_pages: int, device, seed: int = 
     return indptr, indices, last
 
 
-def new_pool(num_pages: int, device, layout: str = "NHD") -> torch.Tensor:
-    shape = (num_pages, 2, PAGE, HKV, D) if layout == "NHD" else (num_pages, 2, HKV, PAGE, D)
+def new_pool(num_pages: int, device, layout: str = "NHD", num_kv_heads: int = HKV, head_dim: int = D) -> torch.Tensor:
+    shape = ((num_pages, 2, PAGE, num_kv_heads, head_dim) if layout == "NHD"
+             else (num_pages, 2, num_kv_heads, PAGE, head_dim))
     return torch.empty(shape, dtype=DTYPE, device=device).normal_()
 
 

@@ -137,21 +137,27 @@ def test_prefill_declines_reasons(monkeypatch, change, reason):
                                    change.get("block_m", 128), 1)
 
 
-@pytest.mark.parametrize("tokens,keys,groups,expect", [
-    (256, 8192, 1, "hopper"),  # 1024 packed rows x 8192 keys: the threshold
-    (255, 8192, 1, "portable"),
-    (64, 32768, 1, "hopper"),
-    (512, 4096, 1, "hopper"),
-    (64, 16384, 1, "portable"),
-    (128, 8192, 1, "portable"),  # measured 1.09x: below the 10% rule
-    (256, 8192, 2, "portable"),  # several groups: their sizes are not in the shapes
+@pytest.mark.parametrize("tokens,hkv,d,keys,groups,expect", [
+    (256, 8, 128, 8192, 1, "hopper"),  # 1024 packed rows x 8192 keys: the bound at head_dim 128
+    (255, 8, 128, 8192, 1, "portable"),
+    (64, 8, 128, 32768, 1, "hopper"),  # 256 rows: the fewest it takes
+    (512, 8, 128, 4096, 1, "hopper"),
+    (64, 8, 128, 16384, 1, "portable"),
+    (128, 8, 128, 8192, 1, "portable"),  # measured 1.09x: below the 10% rule
+    (128, 32, 128, 65536, 1, "portable"),  # 128 rows (one head per group), memory-bound: 0.99x
+    (512, 32, 128, 32768, 1, "hopper"),
+    (128, 1, 128, 8192, 1, "hopper"),  # 4096 rows (GQA 32)
+    (256, 8, 64, 8192, 1, "portable"),  # head_dim 64: 1.10x at 2^23, taken from 2^25
+    (128, 8, 64, 65536, 1, "hopper"),
+    (256, 8, 128, 8192, 2, "portable"),  # several groups: their sizes are not in the shapes
 ])
-def test_hopper_default_rule(monkeypatch, tokens, keys, groups, expect):
-    """backend=None takes the Hopper kernel for one group of >= 2^23 packed rows x keys (the
-    shapes where it measured >= 10% faster), where it runs; "portable" never does."""
+def test_hopper_default_rule(monkeypatch, tokens, hkv, d, keys, groups, expect):
+    """backend=None takes the Hopper kernel for one group of >= 256 packed rows and >= 2^23
+    (head_dim 128) or 2^25 (64) packed rows x keys: the shapes where it measured >= 10%
+    faster; "portable" never does."""
     monkeypatch.setattr(B, "hopper_unavailable", lambda device: None)
-    q = _FakeTensor((tokens, 32, 128))
-    kv = _AlignedKV(_meta_source(num_indices=keys // 16))
+    q = _FakeTensor((tokens, 32, d))
+    kv = _AlignedKV(_meta_source(hkv=hkv, d=d, num_indices=keys // 16))
     assert B.pick_prefill_backend(None, q, kv, False, 128, groups) == expect
     assert B.pick_prefill_backend("portable", q, kv, False, 128, groups) == "portable"
 

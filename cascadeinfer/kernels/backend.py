@@ -9,8 +9,9 @@ launcher that has one takes ``backend``:
   shapes; see :func:`prefill_declines`) and is measured at least 10% faster, else the
   portable kernel — silently, since both give the same answer. For the Hopper prefill
   kernel that is one group (shared-prefix attention) of at least
-  :data:`HOPPER_PREFILL_MIN_WORK` packed query rows x keys (:func:`pick_prefill_backend`;
-  benchmarks/NOTES.md, "Prefix / prefill kernel", v5). A cascade's prefix levels run
+  :data:`HOPPER_PREFILL_MIN_ROWS` packed query rows and :data:`HOPPER_PREFILL_MIN_WORK`
+  packed rows x keys (:func:`pick_prefill_backend`; benchmarks/NOTES.md, "Prefix /
+  prefill kernel", v5). A cascade's prefix levels run
   beside its decode level, where the Hopper kernel is slower: there ``None`` means
   the portable kernel (:class:`~cascadeinfer.MultiLevelCascadeAttention`).
 * ``"portable"``: always the portable ``tl.dot`` kernel (the reference; what the CPU
@@ -34,13 +35,16 @@ BACKENDS = ("portable", "hopper")
 # Triton versions the Hopper kernels were tested with (Gluon's API moves between releases).
 HOPPER_TRITON_VERSIONS = ("3.6.",)
 
-# backend=None picks the Hopper prefill kernel for one group of at least this many packed
-# query rows x keys (an upper bound from shapes: rows x the page table's capacity). On the
-# H100 grid (Hq 32, Hkv 8, D 128, bf16, page 16) every shape at or above it ran 1.10-1.23x
-# the portable kernel's speed, and every shape below it but one less than 1.10x (0.86-1.09x;
-# 1024 rows over 4K keys, 1.10x, is left out); benchmarks/NOTES.md, "Prefix / prefill
-# kernel", v5.
-HOPPER_PREFILL_MIN_WORK = 2**23
+# backend=None picks the Hopper prefill kernel for one group of at least
+# HOPPER_PREFILL_MIN_ROWS packed query rows and, per head_dim, HOPPER_PREFILL_MIN_WORK
+# packed rows x keys (an upper bound from shapes: rows x the page table's capacity). On the
+# H100 (Hq 32, bf16, page 16; benchmarks/NOTES.md, "Prefix / prefill kernel", v5): at head_dim
+# 128 every measured shape past both bounds ran 1.10-1.26x the portable kernel's speed
+# (Hkv 1, 8 and 32) and every Hkv 8 shape below them less than 1.10x but one (1024 rows over
+# 4K keys, 1.10x); 128 rows of one head (Hkv 32) over 64K keys, memory-bound, ran 0.99x.
+# At head_dim 64 the gain is smaller: 1.09-1.10x at 2^23, 1.11-1.13x from 2^25.
+HOPPER_PREFILL_MIN_ROWS = 256
+HOPPER_PREFILL_MIN_WORK = {64: 2**25, 128: 2**23}
 
 # The Hopper prefill kernel's head dims and (BLOCK_N, K slots, V slots) for each: shared
 # memory is (128 Q rows + slots * BLOCK_N) * head_dim * 2 bytes (224 KiB at 128, 144 KiB
@@ -129,8 +133,9 @@ def pick_prefill_backend(backend: str | None, q: torch.Tensor, kv, causal: bool,
                          num_groups: int) -> str:
     """The backend a prefill launch of ``num_groups`` groups runs on (see the module
     docstring): ``backend`` if given (``"hopper"`` raising where it cannot run); for None
-    the Hopper kernel where it runs, on one group of at least :data:`HOPPER_PREFILL_MIN_WORK`
-    packed rows x keys, else the portable kernel."""
+    the Hopper kernel where it runs, on one group of at least :data:`HOPPER_PREFILL_MIN_ROWS`
+    packed rows and :data:`HOPPER_PREFILL_MIN_WORK` packed rows x keys, else the portable
+    kernel."""
     if backend == "portable":
         return "portable"
     reason = prefill_declines(q, kv, causal, block_m)
@@ -139,6 +144,7 @@ def pick_prefill_backend(backend: str | None, q: torch.Tensor, kv, causal: bool,
             raise ValueError(f"backend='hopper': the Hopper prefill kernel does not run {reason}")
         return "hopper"
     rows = q.shape[0] * (q.shape[1] // kv.num_kv_heads)
-    if reason is None and num_groups == 1 and rows * kv.max_kv_len >= HOPPER_PREFILL_MIN_WORK:
+    if (reason is None and num_groups == 1 and rows >= HOPPER_PREFILL_MIN_ROWS
+            and rows * kv.max_kv_len >= HOPPER_PREFILL_MIN_WORK[q.shape[2]]):
         return "hopper"
     return "portable"

@@ -30,8 +30,9 @@ capture, the cascade) and runs 1.09-1.23x the portable kernel's speed at >= 128 
 over >= 8K keys (0.59-0.85 of the matmul rate), but slower on prefixes of 1K keys, and
 beside a decode level on a side stream (the cascade's schedule) it holds its SMs whole
 (all their registers and shared memory). The launchers run it when asked
-(``backend="hopper"``) and, with ``backend=None``, for one group of >= 2^23 packed rows x
-keys (:mod:`cascadeinfer.kernels.backend`); the cascade only when asked. Its TMA
+(``backend="hopper"``) and, with ``backend=None``, for one large group (at head_dim 128:
+>= 256 packed rows, >= 2^23 packed rows x keys; :mod:`cascadeinfer.kernels.backend`); the
+cascade only when asked. Its TMA
 descriptors hold the cache's address: recordings re-point them in every replay, which
 goes through Triton's launcher (it encodes them) rather than the direct one.
 
