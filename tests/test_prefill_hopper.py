@@ -1,11 +1,13 @@
 """The Hopper prefill kernel beside the portable one: dispatch everywhere, numerics on a GPU.
 
-On a CPU (CI) only the dispatch runs: the argument, the reasons the Hopper kernel declines
-a launch, and the portable fallback. On a GPU of compute capability 9.0 every case runs
-through both backends against the float64 reference (poisoned outputs, empty groups, key
-length 1, page sizes 1/5/16/64, full last pages, GQA 1-16, head_dim 64/128, fp16/bf16,
-NHD/HND, both cache forms, forced splits, strided q and out, NaN/inf planted, CUDA-graph
-capture, the cascade).
+On a CPU (CI) the dispatch runs: the argument, the reasons the Hopper kernel declines a
+launch, the shapes ``backend=None`` gives it, the portable fallback; and the kernel is
+compiled for sm_90 to check its copies are committed before they are waited for. On a GPU
+of compute capability 9.0 every case runs through both backends against the float64
+reference (poisoned outputs, empty groups, key length 1, page sizes 8-128, full last pages,
+GQA 1-16, head_dim 64/128, fp16/bf16, NHD/HND, both cache forms, forced splits, strided q
+and out, NaN/inf planted, CUDA-graph capture, eager replays on new tensors, the default,
+the cascade).
 """
 
 from __future__ import annotations
