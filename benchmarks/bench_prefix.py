@@ -8,10 +8,11 @@ Run from the repository root on a GPU machine:
 
 The cascade level above the last: ``n`` decode queries (one token each, all in ONE group)
 attend to a shared prefix of ``L`` tokens. bf16, Hq=32, Hkv=8, D=128 (``--hkv``,
-``--head-dim``), page 16, the prefix's pages randomly permuted in the pool. FLOPs = 4·n·L·Hq·D (QK^T and PV); bytes =
-the prefix's K and V plus q, o and lse. For each shape: our time (CUDA-graph replay,
-median), TFLOP/s, the fraction of the measured bf16 matmul rate, and the roofline floor
-``max(bytes / copy bandwidth, flops / matmul rate)`` with the fraction of it we reach.
+``--head-dim``), page 16, the prefix's pages randomly permuted in the pool. FLOPs =
+4·n·L·Hq·D (QK^T and PV); bytes = the prefix's K and V plus q, o and lse. For each
+shape: our time (CUDA-graph replay, median), TFLOP/s, the fraction of the measured bf16
+matmul rate, and the roofline floor ``max(bytes / copy bandwidth, flops / matmul rate)``
+with the fraction of it we reach.
 Beside it: FlashInfer's BatchPrefillWithPagedKVCacheWrapper(backend="fa2") on the same
 single-group page table, PyTorch SDPA (enable_gqa) on the prefix gathered into contiguous
 [1, Hkv, L, D] K/V (the gather is not timed), and FlexAttention (compiled) on a few shapes.
@@ -57,7 +58,6 @@ from cascadeinfer.kernels.backend import hopper_unavailable
 from cascadeinfer.kernels.prefill import batch_prefill_paged
 from cascadeinfer.kernels.reference import attention_state_ref
 from cascadeinfer.layouts.paged_cache import gather_paged_kv, unpack_paged_kv_cache
-
 
 
 def _pool(num_pages: int, device, layout: str = "NHD") -> torch.Tensor:
