@@ -59,6 +59,11 @@ def check_backend(backend: object) -> str | None:
     return backend
 
 
+def hopper_refused(reason: str) -> ValueError:
+    """The error of ``backend="hopper"`` where the Hopper prefill kernel does not run."""
+    return ValueError(f"backend='hopper': the Hopper prefill kernel does not run {reason}")
+
+
 @functools.cache
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
@@ -141,7 +146,7 @@ def pick_prefill_backend(backend: str | None, q: torch.Tensor, kv, causal: bool,
     reason = prefill_declines(q, kv, causal, block_m)
     if backend == "hopper":
         if reason is not None:
-            raise ValueError(f"backend='hopper': the Hopper prefill kernel does not run {reason}")
+            raise hopper_refused(reason)
         return "hopper"
     rows = q.shape[0] * (q.shape[1] // kv.num_kv_heads)
     if (reason is None and num_groups == 1 and rows >= HOPPER_PREFILL_MIN_ROWS

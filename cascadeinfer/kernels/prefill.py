@@ -41,6 +41,7 @@ from cascadeinfer._device import capturing, use_triton
 from cascadeinfer.kernels.backend import (
     HOPPER_PREFILL_TILES,
     check_backend,
+    hopper_refused,
     hopper_unavailable,
     pick_prefill_backend,
     tma_rows,
@@ -425,7 +426,7 @@ def batch_prefill_paged(
         validate_page_table(kv_indptr, kv_indices, kv_last_page_len, kv.page_size, kv.num_pages, contents=False)
     if not use_triton(device):
         if backend == "hopper":
-            raise ValueError(f"backend='hopper': the Hopper prefill kernel does not run {hopper_unavailable(device)}")
+            raise hopper_refused(hopper_unavailable(device))
         check_pages_in_pool(kv_indptr.cpu(), kv_indices.cpu(), kv.num_pages)
         o64, lse64 = batch_prefill_paged_ref(
             q, qo_indptr, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len,
