@@ -85,8 +85,8 @@ def check_state(o, lse, ref_o, ref_lse, dtype):
 
 
 def run_paged(device, *, qo_lens, kv_lens, num_kv_heads, group, head_dim, dtype, page_size, layout="NHD",
-              form="single", causal=False, seed=0, num_splits=None, config=None, q_view=None, merge=None):
-    """Run batch_prefill_paged (or its split path when num_splits/config/merge are forced) and check it."""
+              form="single", causal=False, seed=0, num_splits=None, config=None, q_view=None):
+    """Run batch_prefill_paged (or its split path when num_splits/config are forced) and check it."""
     gen = torch.Generator().manual_seed(seed)
     cache, table = make_paged(device, kv_lens=kv_lens, page_size=page_size, num_kv_heads=num_kv_heads,
                               head_dim=head_dim, dtype=dtype, layout=layout, form=form, gen=gen)
@@ -95,13 +95,13 @@ def run_paged(device, *, qo_lens, kv_lens, num_kv_heads, group, head_dim, dtype,
     q = _randn(shape, dtype, device, gen) if q_view is None else q_view(shape, dtype, device, gen)
     out, lse = poisoned(q)
     args = (q, qo_indptr, cache, table.kv_indptr, table.kv_indices, table.kv_last_page_len)
-    if num_splits is None and config is None and merge is None:
+    if num_splits is None and config is None:
         o, s = batch_prefill_paged(*args, causal=causal, kv_layout=layout, out=out, lse=lse)
         assert o is out and s is lse
     else:
         source = P.paged_source(unpack_paged_kv_cache(cache, layout), *args[3:])
         P.run_prefill(q, qo_indptr, source, out, lse, causal=causal, sm_scale=head_dim ** -0.5, num_splits=num_splits,
-                      config=config, merge=merge)
+               config=config)
     ref = P.batch_prefill_paged_ref(*args, causal=causal, kv_layout=layout)
     check_state(out, lse, *ref, dtype)
 
@@ -131,43 +131,13 @@ def test_paged_matches_reference(device, qo_lens, kv_lens, hkv, group, head_dim,
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("merge", ["launch", "kernel"])
-def test_paged_many_tiles_and_splits(device, layout, causal, merge):
+def test_paged_many_tiles_and_splits(device, layout, causal):
     """Small tiles: several M tiles per group (the sync-free tile map's binary search over
     11 groups, with empty groups between), several key tiles (unmasked + masked loops), 3
-    KV splits, some of them empty for short groups; merged in the same launch (tickets,
-    merge programs of 4 rows) or by a merge kernel."""
+    KV splits, some of them empty for short groups."""
     run_paged(device, qo_lens=[7, 0, 1, 12, 0, 0, 3, 5, 0, 2, 9], kv_lens=[50, 3, 0, 64, 0, 20, 1, 16, 33, 0, 90],
               num_kv_heads=2, group=3, head_dim=64, dtype=torch.float16, page_size=16, layout=layout,
-              causal=causal, num_splits=3, config=SMALL, seed=1, merge=merge)
-
-
-def test_split_merge_in_one_launch(device, monkeypatch):
-    """An eager call with KV splits is one launch that merges them too (no merge kernel),
-    and leaves its ticket and tile counters zero: the next kernel on the stream finds them
-    so. 40 splits of 128-row tiles: merge programs of 4 rows, the splits read in two tiles
-    of 32 (most of them empty: the identity)."""
-    blocks = []
-
-    def counters(n, device):
-        blocks.append(torch.zeros(n, dtype=torch.int32, device=device))
-        return blocks[-1]
-
-    def no_merge_kernel(*args, **kwargs):
-        raise AssertionError("the splits were merged by a merge kernel")
-
-    monkeypatch.setattr(P, "counters", counters)
-    monkeypatch.setattr(P, "merge_states", no_merge_kernel)
-    assert policy.prefill_merge_rows(128, 64, 40) == 4 and policy.split_merge_block(4, 64) == 32
-    assert policy.prefill_merge_rows(16, 64, 3) == 16 and policy.prefill_merge_rows(128, 128, 8) == 8
-    run_paged(device, qo_lens=[5, 0, 40], kv_lens=[100, 7, 300], num_kv_heads=2, group=4, head_dim=64,
-              dtype=torch.bfloat16, page_size=16, num_splits=40, config=policy.TileConfig(128, 32, 4, 1), seed=4)
-    tiles = policy.num_m_tiles(45, 3, 4, 128)  # the grid's upper bound on M tiles
-    assert len(blocks) == 1 and blocks[0].shape == (1 + tiles * 2,)  # the ticket, tiles x 2 kv heads
-    assert (blocks[0] == 0).all(), "the launch left its counters non-zero"
-    with pytest.raises(ValueError, match="merge"):
-        run_paged(device, qo_lens=[5], kv_lens=[100], num_kv_heads=2, group=4, head_dim=64, dtype=torch.bfloat16,
-                  page_size=16, num_splits=2, merge="twice")
+              causal=causal, num_splits=3, config=SMALL, seed=1)
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 5])
@@ -747,30 +717,3 @@ def test_gpu_cuda_graph_capture():
     graph.replay()
     torch.cuda.synchronize()
     check_state(out, lse, *P.batch_prefill_paged_ref(*args), torch.bfloat16)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("length,n", [(8192, 64), (16384, 4), (5000, 150)])
-def test_gpu_split_merge_in_launch_replays(length, n):
-    """Eager calls with KV splits merge them in their own launch (tickets, merge programs
-    waiting on their tile's splits): 300 replays back to back on one stream, each finding
-    the counters its predecessor left zero, on rotating queries; every answer equals the
-    merge-kernel form's within rounding and the float64 reference."""
-    q, qo_indptr, cache, t = _prefix_case(length, n, seed=4)
-    args = (qo_indptr, cache, t.kv_indptr, t.kv_indices, t.kv_last_page_len)
-    cfg = policy.groups_tile_config(n, 1, 4, 128, torch.bfloat16)
-    assert policy.default_num_splits(policy.num_m_tiles(n, 1, 4, cfg.block_m), 8, length, q.device) > 1
-    qs = [torch.randn_like(q) for _ in range(6)]
-    outs = [batch_prefill_paged(qs[i % 6], *args, validate=False) for i in range(300)]
-    torch.cuda.synchronize()
-    kv = unpack_paged_kv_cache(cache, "NHD")
-    k, v = gather_paged_kv(kv, t.kv_indptr, t.kv_indices, t.kv_last_page_len, 0)
-    source = P.paged_source(kv, t.kv_indptr, t.kv_indices, t.kv_last_page_len)
-    for j in range(6):
-        check_state(*outs[j], *attention_state_ref(qs[j], k, v), torch.bfloat16)
-        out, lse = poisoned(q)
-        P.run_prefill(qs[j], qo_indptr, source, out, lse, causal=False, sm_scale=128 ** -0.5, merge="kernel")
-        torch.testing.assert_close(outs[j][0], out, atol=1e-2, rtol=1e-2)
-        torch.testing.assert_close(outs[j][1], lse, atol=1e-5, rtol=1e-5)
-    for i in range(6, 300):  # the same inputs give the same bits: the merge's order is fixed
-        assert torch.equal(outs[i][0], outs[i % 6][0]) and torch.equal(outs[i][1], outs[i % 6][1]), i

@@ -521,28 +521,6 @@ def merge_in_kernel(num_splits: int, rows: int, head_dim: int, *, capturing: boo
     return not capturing and num_splits * rows * head_dim * 4 <= IN_KERNEL_MERGE_BYTES
 
 
-# A prefill with KV splits called eagerly merges them in the same launch: after the
-# programs that compute the splits' states, programs of MERGE_ROWS rows each wait for
-# their tile's splits and merge them (kernels/prefill_kernel.py, "TAIL_MERGE"). One
-# launch instead of two saves the merge kernel's host cost (5-7 µs of an eager call);
-# calls being captured keep the merge kernel, whose start inside a graph costs less than
-# the tail's tickets and waits (benchmarks/NOTES.md, "Host cost").
-def prefill_merge_in_kernel(num_splits: int, *, capturing: bool = False) -> bool:
-    """Whether a prefill with ``num_splits`` KV splits merges them in its own launch."""
-    return num_splits > 1 and not capturing
-
-
-def prefill_merge_rows(block_m: int, block_d: int, num_splits: int) -> int:
-    """Packed rows per merge program of a prefill's in-launch merge: as many as let one
-    ``[splits, rows, block_d]`` tile hold every split (one round trip to L2), a power of
-    two from 4 (or ``block_m`` if smaller) to ``block_m``."""
-    splits = 1 << max(0, num_splits - 1).bit_length()
-    rows = 4
-    while rows * 2 <= block_m and splits * rows * 2 * block_d <= SPLIT_MERGE_TILE:
-        rows *= 2
-    return min(rows, block_m)
-
-
 def split_merge_block(rows: int, block_d: int) -> int:
     """Splits per tile of the in-kernel merge: a power of two, at least 1, with the
     ``[splits, rows, block_d]`` tile within :data:`SPLIT_MERGE_TILE` elements where it can be."""

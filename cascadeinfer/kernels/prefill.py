@@ -47,16 +47,7 @@ from cascadeinfer.kernels.backend import (
     tma_rows,
 )
 from cascadeinfer.kernels.constants import LOG2E
-from cascadeinfer.kernels.launch import (
-    LaunchCache,
-    counters,
-    given,
-    launch,
-    recorded,
-    recording_active,
-    scratch,
-    unrecorded,
-)
+from cascadeinfer.kernels.launch import LaunchCache, given, launch, recorded, scratch
 from cascadeinfer.kernels.merge_many import merge_states
 from cascadeinfer.kernels.policy import (
     AddressPath,
@@ -67,9 +58,6 @@ from cascadeinfer.kernels.policy import (
     groups_tile_config,
     num_m_tiles,
     padded_head_dim,
-    prefill_merge_in_kernel,
-    prefill_merge_rows,
-    split_merge_block,
 )
 from cascadeinfer.kernels.prefill_kernel import prefill_kernel
 from cascadeinfer.kernels.reference import (
@@ -143,15 +131,11 @@ def launch_prefill(
     config: TileConfig,
     address: AddressPath | None = None,
     backend: str = "portable",
-    merge_into: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Run the kernel into ``o_dest [nnz_qo, S, Hq, D]`` and ``lse_dest [nnz_qo, S, Hq]``.
 
     ``S = o_dest.shape[1]`` is the number of KV splits; with ``S == 1`` the destinations
-    may be views of the caller's ``out``/``lse``. ``merge_into=(out, lse)`` (portable
-    kernel, ``S > 1``): the same launch also merges the splits' states into ``out
-    [nnz_qo, Hq, D]`` and ``lse [nnz_qo, Hq]`` (natural log), the destinations then
-    being scratch. ``qo_indptr is None`` means one group of
+    may be views of the caller's ``out``/``lse``. ``qo_indptr is None`` means one group of
     all queries against all of ``kv`` (ragged, starting at token 0). ``address``: the
     address switches (default: :func:`default_address_path`); a forced one is checked
     against the same bounds, so the int32 path never runs where it could wrap.
@@ -175,20 +159,7 @@ def launch_prefill(
         address = default_address_path(kv, config)
     elif (address.offsets_32 and not safe.offsets_32) or (address.aligned_pages and not safe.aligned_pages):
         raise ValueError(f"address: {address} is not exact for these shapes (allowed at most {safe})")
-    block_d = padded_head_dim(head_dim)
-    if merge_into is None:
-        grid = (num_tiles, kv.num_kv_heads, num_splits)
-        count, out, out_lse = dummy, dummy, dummy
-        out_strides = (0, 0, 0, 0)
-        merge_rows = split_block = 1
-    else:
-        out, out_lse = merge_into
-        merge_rows = prefill_merge_rows(config.block_m, block_d, num_splits)
-        split_block = split_merge_block(merge_rows, block_d)
-        tiles_heads = num_tiles * kv.num_kv_heads
-        grid = (tiles_heads * (num_splits + config.block_m // merge_rows),)
-        count = counters(1 + tiles_heads, q.device)  # the ticket, one counter per tile
-        out_strides = (out.stride(0), out.stride(1), out_lse.stride(0), out_lse.stride(1))
+    grid = (num_tiles, kv.num_kv_heads, num_splits)
     launch(
         prefill_kernel, grid,
         q, kv.k, kv.v, o_dest, lse_dest,
@@ -203,22 +174,18 @@ def launch_prefill(
         o_dest.stride(0), o_dest.stride(1), o_dest.stride(2),
         lse_dest.stride(0), lse_dest.stride(1), lse_dest.stride(2),
         sm_scale * LOG2E,
-        count, out, out_lse, *out_strides, num_tiles, kv.num_kv_heads, num_splits,
         GROUP_SIZE=num_qo_heads // kv.num_kv_heads,
         PAGE_SIZE=kv.page_size,
         HEAD_DIM=head_dim,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
-        BLOCK_D=block_d,
+        BLOCK_D=padded_head_dim(head_dim),
         PAGED=kv.paged,
         CAUSAL=causal,
         ONE_GROUP=one_group,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         OFFSETS_32=address.offsets_32,
         ALIGNED_PAGES=address.aligned_pages,
-        TAIL_MERGE=merge_into is not None,
-        MERGE_ROWS=merge_rows,
-        SPLIT_BLOCK=split_block,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -280,13 +247,10 @@ def run_prefill(
     config: TileConfig | None = None,
     address: AddressPath | None = None,
     backend: str | None = None,
-    merge: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick tiles, splits and the backend (:mod:`cascadeinfer.kernels.backend`) from
     shapes, launch, merge the splits into ``out``/``lse``. A forced ``config`` or
-    ``address`` (the portable kernel's knobs) with ``backend=None`` runs the portable kernel.
-    ``merge``: how KV splits are merged: ``"launch"`` (the portable kernel's own launch),
-    ``"kernel"`` (a merge kernel after it), None: :func:`~cascadeinfer.kernels.policy.prefill_merge_in_kernel`."""
+    ``address`` (the portable kernel's knobs) with ``backend=None`` runs the portable kernel."""
     nnz_qo, num_qo_heads, head_dim = q.shape
     num_groups = 1 if qo_indptr is None else qo_indptr.shape[0] - 1
     if backend is None and (config is not None or address is not None):
@@ -305,26 +269,6 @@ def run_prefill(
     # float32). Every (row, split) is written, an empty split as the identity (0, -inf).
     part_o = scratch((nnz_qo, num_splits, num_qo_heads, head_dim), q.dtype, q.device)
     part_lse = scratch((nnz_qo, num_splits, num_qo_heads), torch.float32, q.device)
-    if merge is None:
-        merge = "launch" if backend == "portable" and prefill_merge_in_kernel(num_splits, capturing=capturing()) \
-            else "kernel"
-        if merge == "launch" and q.is_cuda and recording_active():
-            # A CUDA-graph capture of this signature merges in a merge kernel instead (the
-            # policy): while the eager form is recorded, run that form once too, unrecorded,
-            # so that its kernels are compiled and loaded before any capture (no module can
-            # be loaded while a stream is captured).
-            with unrecorded():
-                launch_prefill(q, qo_indptr, kv, part_o, part_lse, causal=causal, sm_scale=sm_scale,
-                               config=config, address=address, backend=backend)
-                merge_states(part_o, part_lse, out=out, out_lse=lse)
-    elif merge not in ("launch", "kernel"):
-        raise ValueError(f"merge: expected 'launch', 'kernel' or None, got {merge!r}")
-    elif merge == "launch" and backend != "portable":
-        raise ValueError(f"merge: 'launch' needs the portable kernel, not backend {backend!r}")
-    if merge == "launch":  # one launch computes the splits and merges them
-        launch_prefill(q, qo_indptr, kv, part_o, part_lse, causal=causal, sm_scale=sm_scale, config=config,
-                       address=address, backend=backend, merge_into=(out, lse))
-        return out, lse
     launch_prefill(q, qo_indptr, kv, part_o, part_lse, causal=causal, sm_scale=sm_scale, config=config,
                    address=address, backend=backend)
     merge_states(part_o, part_lse, out=out, out_lse=lse)
@@ -452,8 +396,7 @@ def batch_prefill_paged(
     cache = cache_tensors(paged_kv_cache)
     rec, key, ptrs = _PAGED.find(
         (q, qo_indptr, *cache, kv_indptr, kv_indices, kv_last_page_len, *given(out, lse)),
-        # Captured calls merge KV splits in a merge kernel, eager ones in their own launch.
-        (len(cache), out is None, lse is None, causal, kv_layout, sm_scale, num_splits, backend, capturing()),
+        (len(cache), out is None, lse is None, causal, kv_layout, sm_scale, num_splits, backend),
         lengthless=(len(cache) + 3,))
     if rec is not None:  # a call of this signature passed every shape check already
         out, lse = rec.outputs(out, lse, len(cache) + 5)
@@ -550,7 +493,7 @@ def batch_prefill_ragged(
         log; ``(0, -inf)`` for a query that sees no key.
     """
     rec, key, ptrs = _RAGGED.find((q, qo_indptr, k, v, kv_indptr, *given(out, lse)),
-                            (out is None, lse is None, causal, sm_scale, capturing()))
+                            (out is None, lse is None, causal, sm_scale))
     if rec is None:
         _check_q(q)
         _check_flag("causal", causal)
@@ -598,7 +541,7 @@ def shared_prefix_attention(
 
     Reads no index tensor at all: the KV split count and the grid come from the shapes.
     """
-    rec, key, ptrs = _SHARED.find((q, k, v, *given(out, lse)), (out is None, lse is None, sm_scale, capturing()))
+    rec, key, ptrs = _SHARED.find((q, k, v, *given(out, lse)), (out is None, lse is None, sm_scale))
     if rec is not None:
         out, lse = rec.outputs(out, lse, 3)
         rec.replay((q, k, v, out, lse), known=ptrs[:3])

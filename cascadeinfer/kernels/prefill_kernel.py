@@ -55,7 +55,6 @@ import triton
 import triton.language as tl
 
 from cascadeinfer.kernels.softmax import finish_state, online_softmax_step
-from cascadeinfer.kernels.split_merge import merge_splits, take_ticket, wait_for
 
 
 @triton.jit
@@ -288,74 +287,6 @@ def _group_of_tile(
 
 
 @triton.jit
-def _tile_group(
-    tile, qo_indptr_ptr, kv_indptr_ptr, kv_last_page_len_ptr, search_steps, num_groups, one_group_qo_len,
-    one_group_kv_len, GROUP_SIZE: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-    PAGED: tl.constexpr, ONE_GROUP: tl.constexpr,
-):
-    """:func:`_group_of_tile`, or the one group's ranges when ONE_GROUP (no indptr read)."""
-    if ONE_GROUP:
-        qo_start = 0
-        qo_len = one_group_qo_len
-        local_tile = tile
-        kv_start = 0
-        kv_len = one_group_kv_len
-    else:
-        qo_start, qo_len, local_tile, kv_start, kv_len = _group_of_tile(
-            tile, qo_indptr_ptr, kv_indptr_ptr, kv_last_page_len_ptr, search_steps, num_groups,
-            GROUP_SIZE, PAGE_SIZE, BLOCK_M, PAGED)
-    return qo_start, qo_len, local_tile, kv_start, kv_len
-
-
-@triton.jit
-def _merge_program(
-    m,  # this merge program's index: (kv head, M tile, chunk of MERGE_ROWS rows), chunk fastest
-    count_ptr,  # the tile's arrival counter is count_ptr + 1 + kv_head * num_tiles + tile
-    part_o_ptr, part_lse_ptr,  # the splits' states (the main programs' o_ptr / lse_ptr)
-    out_ptr, out_lse_ptr,  # the merged state
-    qo_indptr_ptr, kv_indptr_ptr, kv_last_page_len_ptr, search_steps, num_groups, one_group_qo_len,
-    num_tiles, num_splits,
-    stride_ot, stride_os, stride_oh, stride_lt, stride_ls, stride_lh,
-    stride_fot, stride_foh, stride_flt, stride_flh,
-    GROUP_SIZE: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr, PAGED: tl.constexpr, ONE_GROUP: tl.constexpr, MERGE_ROWS: tl.constexpr,
-    SPLIT_BLOCK: tl.constexpr,
-):
-    """Merge the ``num_splits`` states of MERGE_ROWS packed rows of one M tile into the
-    output, once every split of the tile has stored its state and counted itself."""
-    CHUNKS: tl.constexpr = BLOCK_M // MERGE_ROWS
-    chunk = m % CHUNKS
-    tile_head = m // CHUNKS
-    tile = tile_head % num_tiles
-    kv_head = tile_head // num_tiles
-    qo_start, qo_len, local_tile, kv_start, kv_len = _tile_group(
-        tile, qo_indptr_ptr, kv_indptr_ptr, kv_last_page_len_ptr, search_steps, num_groups, one_group_qo_len,
-        0, GROUP_SIZE, PAGE_SIZE, BLOCK_M, PAGED, ONE_GROUP)
-    row0 = local_tile * BLOCK_M
-    if row0 < qo_len * GROUP_SIZE:  # else the slot holds no tile: its splits counted nothing
-        count = count_ptr + 1 + tile_head
-        wait_for(count, num_splits)
-        offs_m = row0 + chunk * MERGE_ROWS + tl.arange(0, MERGE_ROWS)
-        offs_d = tl.arange(0, BLOCK_D)
-        row_ok = offs_m < qo_len * GROUP_SIZE
-        mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
-        tok64 = (qo_start + offs_m // GROUP_SIZE).to(tl.int64)
-        head64 = (kv_head * GROUP_SIZE + offs_m % GROUP_SIZE).to(tl.int64)
-        o, lse = merge_splits(
-            part_o_ptr + (tok64 * stride_ot + head64 * stride_oh)[:, None] + offs_d[None, :],
-            part_lse_ptr + tok64 * stride_lt + head64 * stride_lh,
-            mask, row_ok, stride_os, stride_ls, num_splits, SPLIT_BLOCK)
-        tl.store(out_ptr + (tok64 * stride_fot + head64 * stride_foh)[:, None] + offs_d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(out_lse_ptr + tok64 * stride_flt + head64 * stride_flh, lse, mask=row_ok)
-        # The tile's counter reached num_splits; each of its CHUNKS merge programs adds one
-        # after its wait, and the last to add leaves it zero for the next kernel.
-        done = tl.atomic_add(count, 1, sem="relaxed", scope="gpu")
-        if done == num_splits + CHUNKS - 1:
-            tl.store(count, 0)
-
-
-@triton.jit
 def prefill_kernel(
     q_ptr,  # [nnz_qo, num_qo_heads, head_dim]
     k_ptr,  # paged: [num_pages, page_size, num_kv_heads, head_dim] in any layout (strides); ragged: [nnz_kv, num_kv_heads, head_dim]
@@ -384,17 +315,6 @@ def prefill_kernel(
     stride_ls,
     stride_lh,
     qk_scale,  # sm_scale * log2(e)
-    count_ptr,  # TAIL_MERGE: int32 [1 + num_tiles * num_kv_heads] zeros (a ticket, then one
-    # arrival counter per (kv head, M tile)); the kernel leaves them zero
-    out_ptr,  # TAIL_MERGE: [nnz_qo, num_qo_heads, head_dim] the merged output, q's dtype
-    out_lse_ptr,  # TAIL_MERGE: [nnz_qo, num_qo_heads] float32, natural log
-    stride_fot,
-    stride_foh,
-    stride_flt,
-    stride_flh,
-    num_tiles,  # TAIL_MERGE: the M tiles of the grid
-    num_kv_heads,  # TAIL_MERGE
-    tail_splits,  # TAIL_MERGE: the KV splits (o_ptr / lse_ptr hold one state per split)
     GROUP_SIZE: tl.constexpr,  # query heads per KV head
     PAGE_SIZE: tl.constexpr,  # tokens per page (PAGED; 1 otherwise)
     HEAD_DIM: tl.constexpr,
@@ -407,41 +327,23 @@ def prefill_kernel(
     DOT_PRECISION: tl.constexpr,
     OFFSETS_32: tl.constexpr,  # unmasked loop: K/V row offsets in int32 (every pool offset < 2**31)
     ALIGNED_PAGES: tl.constexpr,  # unmasked loop, paged, BLOCK_N % PAGE_SIZE == 0: page math hoisted
-    TAIL_MERGE: tl.constexpr,  # one launch merges the splits (see below); grid: one dimension
-    MERGE_ROWS: tl.constexpr,  # TAIL_MERGE: packed rows per merge program (divides BLOCK_M)
-    SPLIT_BLOCK: tl.constexpr,  # TAIL_MERGE: splits per tile of the merge
 ):
-    # ---- which program: (M tile, KV head, split) from the grid, or, with TAIL_MERGE, from
-    # a ticket. Then the tiles x heads x splits programs with the lowest tickets compute
-    # the splits' states; each of the others merges MERGE_ROWS rows of one tile once its
-    # splits have all counted in. They wait only for lower tickets, taken by programs that
-    # are running already, so the launch cannot deadlock whatever order programs start in.
-    if TAIL_MERGE:
-        num_splits = tail_splits
-        tiles_heads = num_tiles * num_kv_heads
-        main = tiles_heads * num_splits
-        ticket = take_ticket(count_ptr, main + tiles_heads * (BLOCK_M // MERGE_ROWS))
-        if ticket >= main:
-            _merge_program(
-                ticket - main, count_ptr, o_ptr, lse_ptr, out_ptr, out_lse_ptr,
-                qo_indptr_ptr, kv_indptr_ptr, kv_last_page_len_ptr, search_steps, num_groups, one_group_qo_len,
-                num_tiles, num_splits, stride_ot, stride_os, stride_oh, stride_lt, stride_ls, stride_lh,
-                stride_fot, stride_foh, stride_flt, stride_flh,
-                GROUP_SIZE, PAGE_SIZE, HEAD_DIM, BLOCK_M, BLOCK_D, PAGED, ONE_GROUP, MERGE_ROWS, SPLIT_BLOCK)
-            return
-        tile = ticket % num_tiles
-        kv_head = (ticket // num_tiles) % num_kv_heads
-        split = ticket // tiles_heads
-    else:
-        tile = tl.program_id(0)
-        kv_head = tl.program_id(1)
-        split = tl.program_id(2)
-        num_splits = tl.num_programs(2)
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
 
     # ---- which group, which tile of it, and the group's KV range (no host reads)
-    qo_start, qo_len, local_tile, kv_start, kv_len = _tile_group(
-        tile, qo_indptr_ptr, kv_indptr_ptr, kv_last_page_len_ptr, search_steps, num_groups, one_group_qo_len,
-        one_group_kv_len, GROUP_SIZE, PAGE_SIZE, BLOCK_M, PAGED, ONE_GROUP)
+    if ONE_GROUP:
+        qo_start = 0
+        qo_len = one_group_qo_len
+        local_tile = tile
+        kv_start = 0
+        kv_len = one_group_kv_len
+    else:
+        qo_start, qo_len, local_tile, kv_start, kv_len = _group_of_tile(
+            tile, qo_indptr_ptr, kv_indptr_ptr, kv_last_page_len_ptr, search_steps, num_groups,
+            GROUP_SIZE, PAGE_SIZE, BLOCK_M, PAGED)
     row0 = local_tile * BLOCK_M
     if row0 >= qo_len * GROUP_SIZE:
         return  # a slot of the upper-bound grid that holds no tile
@@ -512,10 +414,5 @@ def prefill_kernel(
              mask=row_ok[:, None] & d_ok[None, :])
     lse_off = tok64 * stride_lt + split.to(tl.int64) * stride_ls + head.to(tl.int64) * stride_lh
     tl.store(lse_ptr + lse_off, lse, mask=row_ok)
-    if TAIL_MERGE:
-        # Count this split in on its tile: a CTA barrier (every thread's stores issued),
-        # then one thread's release at GPU scope, which the merge programs' acquire pairs with.
-        tl.debug_barrier()
-        tl.atomic_add(count_ptr + 1 + kv_head * num_tiles + tile, 1, sem="release", scope="gpu")
 
 

@@ -45,29 +45,6 @@ def arrive(count_ptr, num_splits):
 
 
 @triton.jit
-def take_ticket(ticket_ptr, total):
-    """This program's place among the launch's ``total`` programs, in the order they
-    start (int32 at ``ticket_ptr``, zero before the first takes one; the last leaves it
-    zero). A program that waits for others must wait only for lower tickets: those were
-    taken by programs already running, so they finish whatever the hardware's order of
-    starting programs (block indices promise none)."""
-    ticket = tl.atomic_add(ticket_ptr, 1, sem="relaxed", scope="gpu")
-    if ticket == total - 1:
-        tl.store(ticket_ptr, 0)  # every program has its ticket: nothing reads it again in this launch
-    return ticket
-
-
-@triton.jit
-def wait_for(count_ptr, target):
-    """Spin until the int32 at ``count_ptr`` reaches ``target`` (the programs counted
-    there by :func:`arrive`-style releases). The acquire orders their stores before this
-    program's later reads, which must still bypass L1 (``.cg``)."""
-    seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
-    while seen < target:
-        seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
-
-
-@triton.jit
 def _fold_lses(m, l, bad, s):
     """Pass 1 over a tile of splits' LSEs ``s [S, R]``: the running largest LSE ``m``, the
     sum ``l`` of ``exp(lse - m)`` and whether any was NaN or ``+inf`` (``bad``), per row."""
