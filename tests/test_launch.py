@@ -396,11 +396,12 @@ def test_direct_launch_matches_tritons_launcher(monkeypatch, num_splits):
 
 
 @pytest.mark.gpu
-def test_kept_scratch_serves_one_stream_and_never_a_capture():
+def test_stream_scratch_serves_one_stream_and_never_a_capture():
     """A decode with KV splits (partial states in scratch, merged by the last split) replayed on
-    the stream that keeps its scratch block, on a second stream (its own block), and
-    captured in a CUDA graph (the graph's own block) while eager replays run between the
-    graph's replays: every answer is its own inputs' answer."""
+    the stream's scratch block, shared with another signature's recording replayed in
+    between, on a second stream (its own block), and captured in a CUDA graph (the graph's
+    own block) while eager replays run between the graph's replays: every answer is its
+    own inputs' answer."""
     device = torch.device("cuda")
     decode_mod._LAUNCHES.clear()
     indptr, indices, last = T([0, 3, 6, 8], device), T([0, 1, 2, 3, 4, 5, 6, 7], device), T([1, 4, 2], device)
@@ -411,23 +412,34 @@ def test_kept_scratch_serves_one_stream_and_never_a_capture():
         return o, lse, (q, cache)
 
     call(0)  # records
-    o, lse, (q, cache) = call(1)  # replays, keeps a block for this stream
+    o, lse, (q, cache) = call(1)  # replays on this stream's scratch block
     rec = next(iter(decode_mod._LAUNCHES._items.values()))
-    assert rec.scratch_bytes and rec._kept_scratch is not None
+    main = (torch.cuda.current_device(), torch.cuda.current_stream().cuda_stream)
+    assert rec.scratch_bytes and launch_mod._STREAM_SCRATCH[main].numel() >= rec.scratch_bytes
     assert rec.counter_bytes and len(rec.launches) == 1  # the splits merge in the kernel
     assert_state(o, lse, *decode_reference(q, cache, indptr, indices, last), tol=2e-2)
+    # Another signature (two requests, 4 splits) on the same block, between replays of the first.
+    for seed in (10, 11):
+        q1, cache1 = decode_case(device, seed, torch.bfloat16)
+        o1, lse1 = ci.batch_decode_paged(q1[:2], cache1, indptr[:3], indices, last[:2], num_splits=4,
+                                         validate=False)
+        o, lse, (q, cache) = call(seed + 10)
+        assert_state(o1, lse1, *decode_reference(q1[:2], cache1, indptr[:3], indices, last[:2]), tol=2e-2)
+        assert_state(o, lse, *decode_reference(q, cache, indptr, indices, last), tol=2e-2)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         o2, lse2, (q2, cache2) = call(2)
     torch.cuda.current_stream().wait_stream(side)
     assert_state(o2, lse2, *decode_reference(q2, cache2, indptr, indices, last), tol=2e-2)
+    assert (main[0], side.cuda_stream) in launch_mod._STREAM_SCRATCH
     q3, cache3 = decode_case(device, 3, torch.bfloat16)
+    eager = set(map(id, decode_mod._LAUNCHES._items.values()))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         o3, lse3 = ci.batch_decode_paged(q3, cache3, indptr, indices, last, num_splits=3, validate=False)
     # Captured, the splits go to the merge kernel (the faster form inside a graph).
-    captured = [r for r in decode_mod._LAUNCHES._items.values() if r is not rec]
+    captured = [r for r in decode_mod._LAUNCHES._items.values() if id(r) not in eager]
     assert len(captured) == 1 and len(captured[0].launches) == 2 and not captured[0].counter_bytes
     for seed in (4, 5):
         graph.replay()

@@ -54,7 +54,7 @@ except ImportError:  # pragma: no cover - every supported torch has them
     _TensorGuards = None
 
 _SCRATCH_ALIGN = 256  # bytes: every scratch slice starts on the allocator's own alignment
-_KEEP_SCRATCH_BYTES = 2**20  # a recording keeps its replays' scratch up to this size (see Recording)
+_STREAM_SCRATCH_BYTES = 16 * 2**20  # a stream's shared scratch block grows up to this size (see Recording)
 
 
 @dataclass(slots=True)
@@ -120,11 +120,13 @@ class Recording:
 
     ``keep_scratch``: the scratch and counter tensors of the recorded call stay owned by
     the recording and every replay reuses them (for an owner whose replays are ordered on
-    its streams, like a cascade plan); otherwise every replay carves its scratch out of
-    one fresh allocation and its counters out of a zeroed block: its stream's, kept for
-    every recording replayed there (kernels on one stream run one after the other, and
-    each leaves its counters zero), or, while a CUDA graph is captured, one zeroed inside
-    the graph (its replays may run beside eager work on the same stream's block).
+    its streams, like a cascade plan). Otherwise a replay's scratch is its stream's block,
+    shared by every recording replayed there (kernels on one stream run one after the
+    other, so each replay's kernels are done with it before the next replay's start), and
+    its counters another such block, zero between kernels (each kernel leaves its counters
+    zero). While a CUDA graph is captured (its replays may run beside eager work on the
+    same stream's blocks), or past ``_STREAM_SCRATCH_BYTES``, or off the current device,
+    the replay takes a fresh block of its own instead, and zeroes its counters inside the graph.
     """
 
     keep_scratch: bool
@@ -140,11 +142,6 @@ class Recording:
     _roots: list[torch.Tensor] = field(default_factory=list)  # while recording
     _direct: tuple | None = None  # the prepared direct launches (empty: not possible), once replayed
     _templates: tuple[torch.Tensor, ...] = ()  # per root: a memoryless tensor of its dtype, device and shape
-    # (raw stream, block): the scratch of replays on that stream, kept while it is small.
-    # Kernels on one stream run in order, so a replay there may reuse the block its last
-    # replay there used; a replay on another stream, or one being captured in a CUDA
-    # graph (whose launches run later, against the eager ones), takes its own block.
-    _kept_scratch: tuple[int, torch.Tensor] | None = None
     # (raw stream, block, its address): the counter block of the last eager replay, held
     # here so that the next replay on that stream skips the lookup by stream.
     _kept_counts: tuple[int, torch.Tensor, int] | None = None
@@ -201,20 +198,22 @@ class Recording:
         if not self.scratch_bytes:
             self._launch_cuda(ptrs, stream, 0, counts)
             return
-        kept = self._kept_scratch
-        if kept is not None and kept[0] == stream and not capturing:
-            # This stream's last replay used this block: its kernels run before ours.
-            self._launch_cuda(ptrs, stream, kept[1].data_ptr(), counts)
-            return
         if device_index != torch._C._cuda_getDevice():  # the raw allocator serves the current device
             scratch = torch.empty(self.scratch_bytes, dtype=torch.uint8, device=roots[0].device)
             self._launch_cuda(ptrs, stream, scratch.data_ptr(), counts)
             return
-        if kept is None and stream == current and self.scratch_bytes <= _KEEP_SCRATCH_BYTES and not capturing:
-            # A small block, allocated on the stream that uses it, kept for its next replays.
-            block = torch.empty(self.scratch_bytes, dtype=torch.uint8, device=roots[0].device)
-            self._kept_scratch = (stream, block)
-            self._launch_cuda(ptrs, stream, block.data_ptr(), counts)
+        if not capturing and self.scratch_bytes <= _STREAM_SCRATCH_BYTES:
+            # The stream's block, checked out while this replay enqueues its kernels: a
+            # replay another thread interleaves on the same stream finds none and takes
+            # a block of its own (below), never this one between two of our kernels.
+            where = (device_index, stream)
+            block = _STREAM_SCRATCH.pop(where, None)
+            if block is None or block.numel() < self.scratch_bytes:
+                block = _stream_block(roots[0].device, stream, current, self.scratch_bytes, block)
+            try:
+                self._launch_cuda(ptrs, stream, block.data_ptr(), counts)
+            finally:
+                _STREAM_SCRATCH[where] = block
             return
         # The scratch is taken from PyTorch's caching allocator on this stream and given
         # back once the kernels are enqueued, as a temporary tensor would be (stream-ordered
@@ -517,6 +516,22 @@ def counters(n: int, device: torch.device) -> torch.Tensor:
 
 # (device index, raw stream) -> the zeroed counter block of replays on that stream.
 _STREAM_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
+# (device index, raw stream) -> the scratch block of replays on that stream, while none has it checked out.
+_STREAM_SCRATCH: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _stream_block(device: torch.device, stream: int, current: int, nbytes: int,
+                  old: torch.Tensor | None) -> torch.Tensor:
+    """A new scratch block for ``stream``: ``nbytes`` at least, twice ``old`` where that is
+    larger (so a stream whose calls grow reallocates a few times only), up to
+    ``_STREAM_SCRATCH_BYTES``. Allocated on ``stream``: the
+    caching allocator then reuses ``old``, dropped here, only behind the kernels already
+    enqueued there."""
+    size = max(nbytes, min(_STREAM_SCRATCH_BYTES, 0 if old is None else 2 * old.numel()))
+    if stream == current:
+        return torch.empty(size, dtype=torch.uint8, device=device)
+    with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=device)):
+        return torch.empty(size, dtype=torch.uint8, device=device)
 
 
 def _stream_counters(device: torch.device, device_index: int, stream: int, current: int,
