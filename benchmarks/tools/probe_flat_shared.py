@@ -1,0 +1,138 @@
+"""Flat decode where requests share their prefix pages: which launch reads them fastest?
+
+    python -m benchmarks.tools.probe_flat_shared [--rep-ms MS] [--json PATH]
+
+The cascade planner falls back to flat decode (``batch_decode_paged`` over each request's
+whole page list). Where requests share a prefix their page lists repeat the same pages,
+and a launch whose programs read a shared page at about the same time finds it in L2.
+Per shape of bench_cascade's bar and short-prefix sets (bf16, Hq 32, Hkv 8, D 128, page
+16; the flat tables of :class:`benchmarks.fixtures.Workload`, prefix pages first in every
+list): FlashInfer's flat decode (tensor cores), ours as the launcher picks it, then every
+decode variant x split count, in the default program order (splits of one request
+together) and with requests before splits (``REQUEST_MINOR``: the programs that run
+together read the same split of many requests), and the balanced schedule. CUDA-graph
+replays over rotated pools; every answer is checked against the default's first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+
+import torch
+
+from benchmarks._common import (
+    bench_rotating,
+    environment,
+    gpu_start,
+    load_flashinfer,
+    markdown_table,
+    measure_ceilings,
+    write_json,
+)
+from benchmarks.fixtures import (
+    BAR_SHAPES,
+    MAX_ROTATIONS,
+    MIN_POOL_BYTES,
+    SHORT_PREFIX_SHAPES,
+    Shape,
+    Workload,
+    fi_flat,
+)
+from cascadeinfer import batch_decode_paged
+from cascadeinfer.kernels import decode as decode_mod
+from cascadeinfer.kernels.decode_kernel import decode_kernel
+from cascadeinfer.kernels.policy import DECODE_VARIANTS
+
+SHAPES = (*BAR_SHAPES, (4, 16384, 16384), *SHORT_PREFIX_SHAPES)
+SPLITS = (1, 2, 4, 8, 16)
+MAX_PROGRAMS = 4096
+
+
+@contextlib.contextmanager
+def request_minor(on: bool):
+    """Every decode kernel launched inside runs its programs requests before splits."""
+    if not on:
+        yield
+        return
+    real = decode_mod.launch
+
+    def launch(kernel, grid, *args, **meta):
+        if kernel is decode_kernel:
+            meta["REQUEST_MINOR"] = True
+        return real(kernel, grid, *args, **meta)
+
+    decode_mod.launch = launch
+    try:
+        yield
+    finally:
+        decode_mod.launch = real
+
+
+def shape_rows(s: Shape, fi, copy_bw: float, device: torch.device, rep_ms: int) -> list[dict]:
+    wl = Workload(s, device, seed=0, min_pool_bytes=MIN_POOL_BYTES, max_rot=MAX_ROTATIONS)
+    outs, lses = wl.out_buffers()
+    tables = (wl.flat_indptr, wl.flat_indices, wl.flat_last)
+
+    def default(i):
+        return batch_decode_paged(wl.qs[i], wl.pools[i], *tables, out=outs[i], lse=lses[i], validate=False)
+
+    def variant(cfg, splits, schedule):
+        def call(i):
+            return decode_mod.decode_with_config(
+                wl.qs[i], wl.pools[i], *tables, kv_layout="NHD", sm_scale=None, num_splits=splits,
+                schedule=schedule, out=outs[i], lse=lses[i], validate=False, config=cfg)
+        return call
+
+    def timed(call) -> tuple[float, torch.Tensor]:
+        outs[0].fill_(float("nan"))
+        call(0)
+        answer = outs[0].float().clone()
+        return bench_rotating([lambda i=i: call(i) for i in range(wl.rot)], rep_ms=rep_ms) * 1e6, answer
+
+    base_us, base = timed(default)
+    label = f"({s.batch}, {s.prefix}, {s.suffix})"
+    unique_us = s.kv_bytes / copy_bw * 1e6
+    rows = [dict(shape=label, launch="ours, as picked", us=base_us)]
+    fi_method = fi_flat(fi, wl) if fi is not None else None
+    if fi_method is not None:
+        fi_us = bench_rotating([fi_method.call(i) for i in range(wl.rot)], rep_ms=rep_ms) * 1e6
+        rows.append(dict(shape=label, launch="FlashInfer flat (tensor cores)", us=fi_us))
+    for name, cfg in DECODE_VARIANTS.items():
+        for splits in SPLITS:
+            if s.batch * s.hkv * splits > MAX_PROGRAMS:
+                continue
+            for minor in (False, True) if splits > 1 else (False,):
+                with request_minor(minor):
+                    us, answer = timed(variant(cfg, splits, "per_request"))
+                torch.testing.assert_close(answer, base, atol=2e-2, rtol=2e-2)
+                rows.append(dict(shape=label, launch=f"{name} x{splits}{' requests first' if minor else ''}", us=us))
+    us, answer = timed(variant(None, None, "balanced"))
+    torch.testing.assert_close(answer, base, atol=2e-2, rtol=2e-2)
+    rows.append(dict(shape=label, launch="balanced schedule", us=us))
+    best = min(r["us"] for r in rows if not r["launch"].startswith("FlashInfer"))
+    for r in rows:
+        r.update(us=round(r["us"], 1), over_best_ours=round(r["us"] / best, 3),
+                 unique_bytes_us=round(unique_us, 1))
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rep-ms", type=int, default=50)
+    ap.add_argument("--json", metavar="PATH")
+    args = ap.parse_args()
+    device = gpu_start("probe_flat_shared")
+    env = environment()
+    fi = load_flashinfer()
+    copy_bw, _ = measure_ceilings()
+    rows = []
+    for b, p, sfx in SHAPES:
+        rows += shape_rows(Shape(b, p, sfx), fi, copy_bw, device, args.rep_ms)
+        print(markdown_table([r for r in rows if r["shape"] == rows[-1]["shape"]],
+                             ["shape", "launch", "us", "over_best_ours", "unique_bytes_us"]), flush=True)
+    write_json(args.json, dict(env=env, copy_Bps=copy_bw, rows=rows))
+
+
+if __name__ == "__main__":
+    main()
