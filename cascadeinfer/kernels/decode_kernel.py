@@ -119,20 +119,12 @@ def decode_kernel(
     MERGE: tl.constexpr,  # SPLIT: the last split merges the partial states into out and lse
     BLOCK_G: tl.constexpr,  # MERGE: GROUP padded to a power of two
     SPLIT_BLOCK: tl.constexpr,  # MERGE: splits per tile of the merge
-    REQUEST_MINOR: tl.constexpr = False,  # program order: requests before splits (see below)
 ):
     pid = tl.program_id(0)
     kv_head = pid % num_kv_heads
     rest = pid // num_kv_heads
-    if REQUEST_MINOR:
-        # Programs that run together share a split index across requests: where requests
-        # share pages (a common prefix) they read the same pages at the same time.
-        batch = tl.num_programs(0) // (num_kv_heads * num_splits)
-        req = rest % batch
-        split = rest // batch
-    else:
-        split = rest % num_splits
-        req = rest // num_splits
+    split = rest % num_splits
+    req = rest // num_splits
 
     # This split's token range: pages [split * per, (split + 1) * per) of the request.
     row_start = tl.load(kv_indptr_ptr + req)
