@@ -406,17 +406,22 @@ def plot_grid(rows: list[dict], path: str) -> None:
 # --------------------------------------------------------------------------- main
 
 
-def grid_shapes(quick: bool, hkv_filter: tuple[int, ...] | None,
-                batch_filter: tuple[int, ...] | None = None) -> list[Shape]:
+def grid_shapes(quick: bool, hkv_filter: tuple[int, ...] | None, batches: tuple[int, ...] | None = None,
+                prefixes: tuple[int, ...] | None = None, suffixes: tuple[int, ...] | None = None) -> list[Shape]:
+    """The grid's shapes; ``batches``, ``prefixes``, ``suffixes`` replace its own values
+    (the quick grid's too), ``hkv_filter`` keeps only those Hkv."""
+    bs, ps, xs = batches or GRID_BATCHES, prefixes or GRID_PREFIXES, suffixes or GRID_SUFFIXES
     if quick:
-        combos = [(b, p, 256, 8) for b in GRID_BATCHES for p in GRID_PREFIXES]
-        combos += [(b, p, x, 8) for x in (16, 4096) for b in (16, 256) for p in GRID_PREFIXES]
-        combos += [(b, p, 256, h) for h in (1, 32) for b in (16, 256) for p in GRID_PREFIXES]
+        combos = [(b, p, 256, 8) for b in bs for p in ps]
+        combos += [(b, p, x, 8) for x in (16, 4096) for b in (16, 256) for p in ps]
+        combos += [(b, p, 256, h) for h in (1, 32) for b in (16, 256) for p in ps]
+        if batches or suffixes:  # the quick grid's fixed batches and suffixes give way too
+            combos = [(b, p, x, h) for h in GRID_HKV for x in (suffixes or (256,)) for b in bs for p in ps]
     else:
-        combos = [(b, p, x, h) for h in GRID_HKV for x in GRID_SUFFIXES for b in GRID_BATCHES for p in GRID_PREFIXES]
+        combos = [(b, p, x, h) for h in GRID_HKV for x in xs for b in bs for p in ps]
     shapes = []
     for b, p, x, h in combos:
-        if (hkv_filter and h not in hkv_filter) or (batch_filter and b not in batch_filter):
+        if hkv_filter and h not in hkv_filter:
             continue
         sh = Shape(b, p, x, hkv=h, head_dim=GRID_HEAD_DIM)
         if sh.kv_bytes > MAX_GRID_KV_BYTES:
@@ -465,7 +470,9 @@ def main() -> None:
     ap.add_argument("--grid", action="store_true", help="batch x prefix x suffix x Hkv: planner check and plot")
     ap.add_argument("--quick", action="store_true", help="with --grid: a subset that runs in a few minutes")
     ap.add_argument("--hkv", type=int, nargs="+", help="with --grid: only these Hkv values")
-    ap.add_argument("--batches", type=int, nargs="+", help="with --grid: only these batch sizes")
+    ap.add_argument("--batches", type=int, nargs="+", help="with --grid: these batch sizes instead of its own")
+    ap.add_argument("--prefixes", type=int, nargs="+", help="with --grid: these prefix lengths instead of its own")
+    ap.add_argument("--suffixes", type=int, nargs="+", help="with --grid: these suffix lengths instead of its own")
     ap.add_argument("--fi-jit", action="store_true", help="let FlashInfer JIT-compile head dims it does not ship")
     ap.add_argument("--no-peers", action="store_true", help="ours only (no FlashInfer, no SDPA)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes; runs on a CPU")
@@ -503,7 +510,8 @@ def main() -> None:
         bar_shapes = [Shape(b, p, x, hkv=h, head_dim=d) for h, d in BAR_HEADS for b, p, x in BAR_SHAPES]
         gen_shapes = [Shape(b, p, x, hkv=h, head_dim=d) for h, d in GENERALITY_HEADS for b, p, x in BAR_SHAPES]
         grid = grid_shapes(args.quick, tuple(args.hkv) if args.hkv else None,
-                           tuple(args.batches) if args.batches else None) if args.grid else []
+                           *(tuple(v) if v else None for v in (args.batches, args.prefixes, args.suffixes))
+                           ) if args.grid else []
     min_pool = MIN_POOL_BYTES if has_gpu else 0
     common = dict(device=device, fi=fi, fi_jit=args.fi_jit, min_pool_bytes=min_pool)
 

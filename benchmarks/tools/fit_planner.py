@@ -8,6 +8,10 @@ times of each shape:
 
 * benchmarks/results/planner_check_h100_2026-11-21.json: the 176 grid shapes and the 20 bar +
   generality shapes, H100 (cascade v7 kernels and schedule);
+* benchmarks/results/bench_cascade_grid_small_batch_h100_2026-11-28.json: 45 shapes where
+  the two paths cross, 1-16 requests over 8K-64K prefixes with 256-16K own tokens, Hkv 8
+  (``bench_cascade --grid --no-peers --hkv 8 --batches 1 2 4 8 16 --prefixes 8192 16384
+  65536 --suffixes 256 4096 16384``), H100;
 * benchmarks/results/planner_fit_h200_2026-11-21.json: the 72 H200 shapes of the v2 fit.
 
 The cascade-v4 H100 runs (``planner_fit_grid_h100_2026-11-21.json``, ``planner_fit_bar_h100_2026-11-21.json``,
@@ -45,7 +49,9 @@ PAGE = 16
 TOLERANCE = 1.05
 H200 = dict(copy_bandwidth=4.25e12, matmul_rate=6.83e14)  # DeviceModel.for_device on an H200
 V2 = dict(prefix_flop_efficiency=0.55, prefix_level_seconds=8e-6, decode_level_seconds=10e-6,
-          merge_seconds=2e-6, l2_miss_small=0.3, overlap_gain=0.3, decode_flop_efficiency=0.2)
+          merge_seconds=2e-6, l2_miss_small=0.3, overlap_gain=0.3, decode_flop_efficiency=0.2,
+          l2_miss_large=1.0, l2_read_bandwidth=float("inf"))
+V3_FLAT = dict(l2_miss_large=1.0, l2_read_bandwidth=float("inf"))  # v3's flat model: a level past L2 misses
 GRID = dict(  # searched constants (the rest keep DeviceModel's defaults)
     prefix_flop_efficiency=[0.5, 0.55, 0.6, 0.65, 0.7],
     prefix_level_seconds=[4e-6, 6e-6, 8e-6, 10e-6, 12e-6],
@@ -54,6 +60,8 @@ GRID = dict(  # searched constants (the rest keep DeviceModel's defaults)
     l2_miss_small=[0.3, 0.35, 0.4, 0.45, 0.5],
     overlap_gain=[0.0, 0.1, 0.2, 0.3],
     decode_flop_efficiency=[0.2, 0.22, 0.25, 0.28, 0.3],
+    l2_miss_large=[0.05, 0.1, 0.2],
+    l2_read_bandwidth=[6e12, 6.5e12, 7e12],
 )
 
 
@@ -73,6 +81,9 @@ def load() -> list[dict]:
     s5 = json.loads((RESULTS / "planner_check_h100_2026-11-21.json").read_text())
     keys = ("device", "batch", "prefix", "suffix", "hq", "hkv", "d", "cascade", "flat")
     rows = [dict({k: r[k] for k in keys}, pred=None) for r in s5["grid"] + s5["bar"]]
+    for r in json.loads((RESULTS / "bench_cascade_grid_small_batch_h100_2026-11-28.json").read_text())["rows"]:
+        rows.append(dict(device="H100", batch=r["batch"], prefix=r["prefix"], suffix=r["suffix"], hq=r["hq"],
+                         hkv=r["hkv"], d=r["head_dim"], cascade=r["cascade_us"], flat=r["flat_us"], pred=None))
     for r in json.loads((RESULTS / "planner_fit_h200_2026-11-21.json").read_text()):
         rows.append(dict(device="H200", batch=r["batch"], prefix=r["prefix"], suffix=r["suffix"], hq=r["hq"],
                          hkv=r["hkv"], d=r["d"], cascade=r["cascade"], flat=r["flat"], pred=None))
@@ -146,12 +157,15 @@ class Vectorised:
         cascade = t[0] + t[1] + g("merge_seconds") + 3 * self.state / bw
         runs = self.overlap_v3 if v3 else self.overlap_v2
         cascade = cascade - np.where(runs, g("overlap_gain") * np.minimum(t[0], t[1]), 0.0)
-        flat_bytes = 0.0
+        flat_bytes = flat_reads = 0.0
         for i in (0, 1):
             unique = self.unique[i] * self.kv_bytes
-            repeated = np.maximum(0.0, self.reads[i] * self.kv_bytes - unique)
-            flat_bytes = flat_bytes + unique + np.where(unique > self.l2, 1.0, g("l2_miss_small")) * repeated
-        flat = level(self.dec[1], flat_bytes, self.pairs[0] + self.pairs[1])
+            reads = self.reads[i] * self.kv_bytes
+            miss = np.where(unique > self.l2, g("l2_miss_large"), g("l2_miss_small"))
+            flat_bytes = flat_bytes + unique + miss * np.maximum(0.0, reads - unique)
+            flat_reads = flat_reads + np.maximum(reads, unique)
+        flat = np.maximum(level(self.dec[1], flat_bytes, self.pairs[0] + self.pairs[1]),
+                          flat_reads / g("l2_read_bandwidth") + g("decode_level_seconds"))
         return cascade, flat
 
     def passes(self, cascade: np.ndarray, flat: np.ndarray) -> np.ndarray:
@@ -186,6 +200,7 @@ def main() -> None:
     defaults = {k: getattr(DeviceModel(), k) for k in GRID}
     every = Vectorised(everything)
     report(everything, every.passes(*every.predict(V2, v3=False)), "v2 constants and side-stream rule")
+    report(everything, every.passes(*every.predict({**defaults, **V3_FLAT})), "cost.py's defaults, v3's flat model")
     report(everything, every.passes(*every.predict(defaults)), "cost.py's defaults")
     # The H200 rows timed cascade-v1 kernels (no side stream, slower prefix): reported, not fitted.
     rows = [r for r in everything if r["device"] == "H100"]
@@ -214,11 +229,13 @@ def main() -> None:
     for i, j in itertools.combinations(range(len(dims)), 2):
         for di, dj in itertools.product((-1, 1), repeat=2):
             e = np.zeros(len(dims), dtype=int); e[i] = di; e[j] = dj; steps.append(e)
+    top = int(score.max())  # every row where some combination passes them all
+
     def robustness(k):
         nb = index[k] + np.array(steps)
         inside = ((nb >= 0) & (nb < np.array(dims))).all(axis=1)
         s = score[flat_of(nb[inside])]
-        return int((s == len(rows)).sum()), int((s >= len(rows) - 1).sum()), int(inside.sum())
+        return int((s == top).sum()), int((s >= top - 1).sum()), int(inside.sum())
 
     candidates = full if len(full) else np.flatnonzero(score == score.max())
     best, best_key = None, None
@@ -228,22 +245,22 @@ def main() -> None:
             best, best_key = k, key
     chosen = {k: float(combos[best, i]) for i, k in enumerate(names)}
     print(f"chosen: {chosen}")
-    print(f"  neighbours (one step in one or two constants): {best_key[2]}; all rows pass in {best_key[0]}, "
-          f"all but one in {best_key[1]}")
-    print(f"  combinations within one row of the best: {int((score >= len(rows) - 1).sum())} of {len(combos)}")
+    print(f"  neighbours (one step in one or two constants): {best_key[2]}; {top} rows pass in {best_key[0]}, "
+          f"{top - 1} in {best_key[1]}")
+    print(f"  combinations within one row of the best: {int((score >= top - 1).sum())} of {len(combos)}")
 
     # 4. The chosen constants through the real cost model, and against cost.py's defaults.
     real = np.array([real_predict(r, chosen) for r in rows]).T
     c3, f3 = vec.predict(chosen)
     assert np.allclose(real, np.stack([c3, f3]), rtol=1e-9, atol=0), "the vectorised model disagrees with predict_seconds"
-    report(rows, vec.passes(c3, f3), "v3 (after, chosen constants)")
+    report(rows, vec.passes(c3, f3), "the chosen constants")
     print("cost.py defaults now:", "match the chosen constants" if defaults == chosen else f"DIFFER: {defaults}")
     on_grid = all(defaults[k] in GRID[k] for k in names)
     if on_grid and defaults != chosen:
         k = int(np.ravel_multi_index([GRID[n].index(defaults[n]) for n in names], dims))
         key = robustness(k)
-        print(f"  the defaults: {'pass' if score[k] == len(rows) else 'FAIL'} every fitted row; of their {key[2]} "
-              f"neighbours all rows pass in {key[0]}, all but one in {key[1]}")
+        print(f"  the defaults: {int(score[k])} of {len(rows)} fitted rows pass; of their {key[2]} "
+              f"neighbours {top} rows pass in {key[0]}, {top - 1} in {key[1]}")
     print(f"done in {time.perf_counter() - t0:.1f} s")
 
 

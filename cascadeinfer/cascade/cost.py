@@ -10,6 +10,12 @@ and the 72 H200 shapes of v2; it picks the faster path, or one within 5% of it, 
 (v2: 194/196 and 71/72). The side-stream gain counts only where the runtime takes the side
 stream (64- and 128-row prefill tiles; with ``overlap_gain`` 0.3: 196/196 on the H100
 shapes re-measured with the prefix kernel's 64-row tiles on the side stream too). benchmarks/NOTES.md, "Planner v3".
+v4 (flat decode over shared pages): flat decode's programs read a shared prefix at about
+the same time, so its repeated reads hit L2 even where the prefix is larger than L2, and
+the time is bound by how fast the decode kernel reads what hits (``l2_read_bandwidth``).
+On 45 more H100 shapes with 1-16 requests over 8K-64K prefixes, where the two paths
+cross, the v3 flat model erred up to 2.4x and picked within 5% at 38; v4 picks within 5%
+at 42 (238 of the 241 H100 shapes). benchmarks/NOTES.md, "Planner v4".
 """
 
 from __future__ import annotations
@@ -36,6 +42,9 @@ class DeviceModel:
     decode_level_seconds: float = 14e-6  # fixed cost of a decode level (splits + their merge)
     merge_seconds: float = 4e-6  # fixed cost of merging two levels
     l2_miss_small: float = 0.4  # repeated reads of a level that fits in L2 that still miss
+    l2_miss_large: float = 0.1  # the same for a level larger than L2 (flat's programs read it together)
+    l2_read_bandwidth: float = 6.5e12  # bytes/s the decode kernel reads from L2 (flat decode over
+    # shared pages on an H100: 6.7-6.8e12 at the four bar shapes, tools/probe_flat_shared)
     overlap_gain: float = 0.3  # of the shorter of a prefill level and the decode level under it,
     # saved by running them on two streams (measured 0.28-0.43 on an H100 at four shapes; the
     # v3 fit over 268 shapes chose 0.2; once 64-row prefill tiles took the side stream too,
@@ -126,7 +135,9 @@ def predict_seconds(
     it (:func:`side_stream_runs`: 64- and 128-row prefill tiles, as the runtime does)
     saves ``overlap_gain`` of the shorter of the two. Flat runs the last level's kernel
     over every key of every level: keys of an upper level are re-read once per request,
-    from L2 when the level fits there (``l2_miss_small`` of them still miss).
+    mostly from L2 (``l2_miss_small`` of them still miss where the level fits there,
+    ``l2_miss_large`` where it does not), and every key read takes at least its bytes over
+    ``l2_read_bandwidth``.
     ``per_level``, if given, receives each cascade level's predicted seconds.
     """
     kv_bytes_per_key = 2 * num_kv_heads * head_dim * elem_bytes
@@ -136,10 +147,10 @@ def predict_seconds(
     decode_rate = model.matmul_rate * model.decode_flop_efficiency / pad
     prefix_rate = model.matmul_rate * model.prefix_flop_efficiency
 
-    def level_time(lv: LevelShape, key_bytes: float, pairs: int) -> float:
+    def level_time(lv: LevelShape, key_bytes: float, pairs: int, read_seconds: float = 0.0) -> float:
         rate, fixed = (decode_rate, model.decode_level_seconds) if lv.decode else (
             prefix_rate, model.prefix_level_seconds)
-        return max(key_bytes / bw, flop * pairs / rate) + fixed
+        return max(key_bytes / bw, flop * pairs / rate, read_seconds) + fixed
 
     state_bytes = levels[-1].num_queries * num_qo_heads * (head_dim * elem_bytes + 4)
     times = [level_time(lv, lv.unique_keys * kv_bytes_per_key, lv.query_key_pairs) for lv in levels]
@@ -149,11 +160,14 @@ def predict_seconds(
     if side_stream_runs(levels, group_size=num_qo_heads // num_kv_heads, head_dim=head_dim, elem_bytes=elem_bytes):
         cascade -= model.overlap_gain * min(times[-2], times[-1])
 
-    flat_bytes = 0.0
+    flat_bytes = 0.0  # from memory
+    flat_reads = 0.0  # by the kernel, from L2 or memory
     for lv in levels:
         unique = lv.unique_keys * kv_bytes_per_key
-        repeated = max(0.0, lv.flat_key_reads * kv_bytes_per_key - unique)
-        miss = 1.0 if unique > model.l2_bytes else model.l2_miss_small
-        flat_bytes += unique + miss * repeated
-    flat = level_time(levels[-1], flat_bytes, sum(lv.query_key_pairs for lv in levels))
+        reads = lv.flat_key_reads * kv_bytes_per_key
+        miss = model.l2_miss_large if unique > model.l2_bytes else model.l2_miss_small
+        flat_bytes += unique + miss * max(0.0, reads - unique)
+        flat_reads += max(reads, unique)
+    flat = level_time(levels[-1], flat_bytes, sum(lv.query_key_pairs for lv in levels),
+                      flat_reads / model.l2_read_bandwidth)
     return cascade, flat
