@@ -1,0 +1,61 @@
+"""Does the side stream's priority change how the cascade's two levels share the GPU?
+
+    python -m benchmarks.tools.probe_stream_priority [--shapes B,P,S ...] [--json PATH]
+
+The cascade's decode level runs on a side stream beside the prefix level on the caller's
+stream; both streams have the default priority, the lowest. A stream of higher priority
+has its pending programs placed first wherever an SM frees up. For each shape (the
+engine's decode batch and the bar shapes) this times the public two-level ``run``
+(CUDA-graph replays over pools rotated past L2) with the side stream at each priority the
+device offers, and checks every answer against the default's.
+"""
+
+from __future__ import annotations
+
+import argparse
+from unittest import mock
+
+import torch
+
+from benchmarks._common import environment, gpu_start, markdown_table, write_json
+from benchmarks.fixtures import MIN_POOL_BYTES, Shape, Workload, make_timer, ours
+from cascadeinfer.cascade import multi_level
+
+SHAPES = ("256,4096,144", "256,4096,256", "64,8192,256", "128,32768,512", "256,4096,128", "16,65536,1024")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", nargs="*", default=list(SHAPES), help="batch,prefix,suffix triples")
+    ap.add_argument("--rep-ms", type=int, default=100)
+    ap.add_argument("--json", metavar="PATH")
+    args = ap.parse_args()
+    device = gpu_start("probe_stream_priority")
+    timer = make_timer(device, args.rep_ms)
+    low, high = torch.cuda.Stream.priority_range()  # (lowest, highest): numerically high to low
+    priorities = sorted({low, high, (low + high) // 2}, reverse=True)
+    rows = []
+    for text in args.shapes:
+        s = Shape(*map(int, text.split(",")))
+        wl = Workload(s, device, seed=5, min_pool_bytes=MIN_POOL_BYTES, max_rot=16)
+        row, base = {"shape": text}, None
+        for p in priorities:
+            def side(self, p=p):
+                if self._stream is None:
+                    self._stream = torch.cuda.Stream(self.device, priority=p)
+                return self._stream
+
+            with mock.patch.object(multi_level.MultiLevelCascadeAttention, "_side_stream", side):
+                m = ours(wl, True)
+            o, _ = m.result()
+            o = o.float().clone()
+            base = o if base is None else base
+            torch.testing.assert_close(o, base, atol=2e-2, rtol=2e-2)
+            row[f"side priority {p} us"] = round(timer([m.call(i) for i in range(wl.rot)]) * 1e6, 1)
+        rows.append(row)
+        print(markdown_table([row], list(row)), flush=True)
+    write_json(args.json, {"environment": environment(), "priority_range": [low, high], "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
