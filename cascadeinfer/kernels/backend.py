@@ -143,13 +143,15 @@ def pick_prefill_backend(backend: str | None, q: torch.Tensor, kv, causal: bool,
     kernel."""
     if backend == "portable":
         return "portable"
+    if backend is None:  # the shape bounds first: they cost nothing, the declines ask the device
+        rows = q.shape[0] * (q.shape[1] // kv.num_kv_heads)
+        min_work = HOPPER_PREFILL_MIN_WORK.get(q.shape[2])
+        if (num_groups != 1 or rows < HOPPER_PREFILL_MIN_ROWS or min_work is None
+                or rows * kv.max_kv_len < min_work):
+            return "portable"
     reason = prefill_declines(q, kv, causal, block_m)
     if backend == "hopper":
         if reason is not None:
             raise hopper_refused(reason)
         return "hopper"
-    rows = q.shape[0] * (q.shape[1] // kv.num_kv_heads)
-    if (reason is None and num_groups == 1 and rows >= HOPPER_PREFILL_MIN_ROWS
-            and rows * kv.max_kv_len >= HOPPER_PREFILL_MIN_WORK[q.shape[2]]):
-        return "hopper"
-    return "portable"
+    return "portable" if reason is not None else "hopper"
