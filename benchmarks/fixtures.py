@@ -9,6 +9,8 @@ peers' on them, and the timer.
   build each method's calls over it (``Method``).
 * The decode batch: ``new_pool`` and ``page_table`` (Hq 32, Hkv 8, D 128, page 16) with
   ``kv_bytes``/``io_bytes`` for its floor, and FlashInfer's decode wrapper on it.
+* ``shape_workloads`` and ``level_alone_calls``: the tools' ``--shapes`` as workloads, and
+  each cascade level alone on one.
 * ``make_timer``: CUDA-graph replays over the rotated calls on a GPU, wall clock on a CPU
   (smoke runs, no claims about speed).
 """
@@ -285,6 +287,28 @@ def sdpa(wl: Workload) -> Method:
         return call(0)().squeeze(2), None
 
     return Method(call, result, n_calls=n_sets)
+
+
+def shape_workloads(shapes: list[str], device: torch.device):
+    """``(text, Shape, Workload)`` for each "batch,prefix,suffix" triple of a tool's
+    ``--shapes`` (pools of at least ``MIN_POOL_BYTES``, up to 16 rotations), one at a time."""
+    for text in shapes:
+        s = Shape(*map(int, text.split(",")))
+        yield text, s, Workload(s, device, seed=5, min_pool_bytes=MIN_POOL_BYTES, max_rot=16)
+
+
+def level_alone_calls(wl: Workload, level: int) -> list[Callable[[], object]]:
+    """Each rotation's call of one cascade level alone, through its public launcher:
+    level 0 the shared prefix (``batch_prefill_paged``, one group), 1 the suffix decode."""
+    from cascadeinfer import batch_decode_paged, batch_prefill_paged  # noqa: PLC0415
+
+    outs, lses = wl.out_buffers()
+    if level == 0:
+        return [lambda i=i: batch_prefill_paged(
+            wl.qs[i], wl.qo_indptr[0], wl.pools[i], wl.kv_indptr[0], wl.kv_indices[0], wl.kv_last[0],
+            out=outs[i], lse=lses[i], validate=False) for i in range(wl.rot)]
+    return [lambda i=i: batch_decode_paged(wl.qs[i], wl.pools[i], wl.kv_indptr[1], wl.kv_indices[1], wl.kv_last[1],
+                                           out=outs[i], lse=lses[i], validate=False) for i in range(wl.rot)]
 
 
 def make_timer(device: torch.device, rep_ms: int) -> Callable[[list], float]:

@@ -18,7 +18,7 @@ from unittest import mock
 import torch
 
 from benchmarks._common import environment, gpu_start, markdown_table, write_json
-from benchmarks.fixtures import MIN_POOL_BYTES, Shape, Workload, make_timer, ours
+from benchmarks.fixtures import make_timer, ours, shape_workloads
 from cascadeinfer.cascade import multi_level
 
 SHAPES = ("256,4096,144", "256,4096,256", "64,8192,256", "128,32768,512", "256,4096,128", "16,65536,1024")
@@ -35,9 +35,7 @@ def main() -> None:
     low, high = torch.cuda.Stream.priority_range()  # (lowest, highest): numerically high to low
     priorities = sorted({low, high, (low + high) // 2}, reverse=True)
     rows = []
-    for text in args.shapes:
-        s = Shape(*map(int, text.split(",")))
-        wl = Workload(s, device, seed=5, min_pool_bytes=MIN_POOL_BYTES, max_rot=16)
+    for text, _, wl in shape_workloads(args.shapes, device):
         row, base = {"shape": text}, None
         for p in priorities:
             def side(self, p=p):

@@ -16,11 +16,15 @@ from __future__ import annotations
 import argparse
 from unittest import mock
 
-import torch
-
-from benchmarks._common import environment, gpu_start, markdown_table, measure_ceilings, roofline_floor, write_json
-from benchmarks.fixtures import MIN_POOL_BYTES, Shape, Workload, make_timer, ours
-from cascadeinfer import batch_decode_paged, batch_prefill_paged
+from benchmarks._common import (
+    environment,
+    gpu_start,
+    markdown_table,
+    measure_ceilings,
+    roofline_floor,
+    write_json,
+)
+from benchmarks.fixtures import level_alone_calls, make_timer, ours, shape_workloads
 from cascadeinfer.cascade import plan as plan_mod
 
 ENGINE_SHAPES = ("256,4096,144", "256,4096,256", "256,4096,384")
@@ -38,17 +42,10 @@ def main() -> None:
     copy_bw, mm_rate = measure_ceilings()
     timer = make_timer(device, args.rep_ms)
     rows = []
-    for text in args.shapes:
-        s = Shape(*map(int, text.split(",")))
-        wl = Workload(s, device, seed=5, min_pool_bytes=MIN_POOL_BYTES, max_rot=16)
-        outs, lses = wl.out_buffers()
+    for text, s, wl in shape_workloads(args.shapes, device):
         row = {"shape": text, "floor us": roofline_floor(s.io_bytes, s.flops, copy_bw, mm_rate) * 1e6}
-        row["prefix alone us"] = timer([lambda i=i: batch_prefill_paged(
-            wl.qs[i], wl.qo_indptr[0], wl.pools[i], wl.kv_indptr[0], wl.kv_indices[0], wl.kv_last[0],
-            out=outs[i], lse=lses[i], validate=False) for i in range(wl.rot)]) * 1e6
-        row["decode alone us"] = timer([lambda i=i: batch_decode_paged(
-            wl.qs[i], wl.pools[i], wl.kv_indptr[1], wl.kv_indices[1], wl.kv_last[1],
-            out=outs[i], lse=lses[i], validate=False) for i in range(wl.rot)]) * 1e6
+        row["prefix alone us"] = timer(level_alone_calls(wl, 0)) * 1e6
+        row["decode alone us"] = timer(level_alone_calls(wl, 1)) * 1e6
         seen, real = [], plan_mod.prefix_sm_fraction
         with mock.patch.object(plan_mod, "prefix_sm_fraction", lambda a, b: seen.append(real(a, b)) or seen[-1]):
             planner = ours(wl, True)
@@ -63,8 +60,6 @@ def main() -> None:
             row[f"share {share}"] = timer([m.call(i) for i in range(wl.rot)]) * 1e6
         rows.append(row)
         print(markdown_table([row], list(row)), flush=True)
-        del wl
-        torch.cuda.empty_cache()
     write_json(args.json, {"environment": environment(), "copy_bytes_per_s": copy_bw, "matmul_flop_per_s": mm_rate,
                            "rows": rows})
 

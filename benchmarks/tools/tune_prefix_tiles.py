@@ -30,8 +30,7 @@ from benchmarks._common import (
     roofline_floor,
     write_json,
 )
-from benchmarks.fixtures import MIN_POOL_BYTES, Shape, Workload, make_timer, ours
-from cascadeinfer import batch_decode_paged, batch_prefill_paged
+from benchmarks.fixtures import level_alone_calls, make_timer, ours, shape_workloads
 from cascadeinfer.cascade import cost as cost_mod
 from cascadeinfer.cascade import plan as plan_mod
 from cascadeinfer.kernels import policy
@@ -77,20 +76,13 @@ def main() -> None:
     copy_bw, mm_rate = measure_ceilings()
     timer = make_timer(device, args.rep_ms)
     rows = []
-    for text in args.shapes:
-        s = Shape(*map(int, text.split(",")))
-        wl = Workload(s, device, seed=5, min_pool_bytes=MIN_POOL_BYTES, max_rot=16)
-        outs, lses = wl.out_buffers()
+    for text, s, wl in shape_workloads(args.shapes, device):
         floor = roofline_floor(s.io_bytes, s.flops, copy_bw, mm_rate) * 1e6
-        decode_us = timer([lambda i=i: batch_decode_paged(
-            wl.qs[i], wl.pools[i], wl.kv_indptr[1], wl.kv_indices[1], wl.kv_last[1],
-            out=outs[i], lse=lses[i], validate=False) for i in range(wl.rot)]) * 1e6
+        decode_us = timer(level_alone_calls(wl, 1)) * 1e6
         base = None
         for name, config in {"default": None, **CANDIDATES}.items():
             with prefix_tiles(config):
-                prefix_us = timer([lambda i=i: batch_prefill_paged(
-                    wl.qs[i], wl.qo_indptr[0], wl.pools[i], wl.kv_indptr[0], wl.kv_indices[0], wl.kv_last[0],
-                    out=outs[i], lse=lses[i], validate=False) for i in range(wl.rot)]) * 1e6
+                prefix_us = timer(level_alone_calls(wl, 0)) * 1e6
                 row = dict(shape=text, tiles=name, floor_us=round(floor, 1), decode_alone_us=round(decode_us, 1),
                            prefix_alone_us=round(prefix_us, 1))
                 for share in (None, 1.0):
