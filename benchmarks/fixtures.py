@@ -9,14 +9,15 @@ peers' on them, and the timer.
   build each method's calls over it (``Method``).
 * The decode batch: ``new_pool`` and ``page_table`` (Hq 32, Hkv 8, D 128, page 16) with
   ``kv_bytes``/``io_bytes`` for its floor, and FlashInfer's decode wrapper on it.
-* ``shape_workloads`` and ``level_alone_calls``: the tools' ``--shapes`` as workloads, and
-  each cascade level alone on one.
+* ``shape_tool_start``, ``shape_workloads`` and ``level_alone_calls``: a cascade probe's
+  command line, its ``--shapes`` as workloads, and each cascade level alone on one.
 * ``make_timer``: CUDA-graph replays over the rotated calls on a GPU, wall clock on a CPU
   (smoke runs, no claims about speed).
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 import time
 from collections.abc import Callable
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from benchmarks._common import L2_BYTES, bench_rotating, rotation_count
+from benchmarks._common import L2_BYTES, bench_rotating, gpu_start, rotation_count
 from cascadeinfer.cascade.multi_level import MultiLevelCascadeAttention
 from cascadeinfer.kernels.reference import attention_state_ref
 from cascadeinfer.layouts.paged_cache import gather_paged_kv, unpack_paged_kv_cache
@@ -287,6 +288,21 @@ def sdpa(wl: Workload) -> Method:
         return call(0)().squeeze(2), None
 
     return Method(call, result, n_calls=n_sets)
+
+
+def shape_tool_start(doc: str, tool: str, shapes: tuple[str, ...], rep_ms: int, extra=None):
+    """A cascade probe's command line, then its GPU: ``--shapes`` ("batch,prefix,suffix"
+    triples, default ``shapes``), ``--rep-ms``, ``--json`` and whatever ``extra(parser)``
+    adds. Returns ``(args, device, timer)``."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--shapes", nargs="*", default=list(shapes), help="batch,prefix,suffix triples")
+    ap.add_argument("--rep-ms", type=int, default=rep_ms)
+    ap.add_argument("--json", metavar="PATH")
+    if extra is not None:
+        extra(ap)
+    args = ap.parse_args()
+    device = gpu_start(tool)
+    return args, device, make_timer(device, args.rep_ms)
 
 
 def shape_workloads(shapes: list[str], device: torch.device):

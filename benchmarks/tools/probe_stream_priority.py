@@ -12,26 +12,19 @@ device offers, and checks every answer against the default's.
 
 from __future__ import annotations
 
-import argparse
 from unittest import mock
 
 import torch
 
-from benchmarks._common import environment, gpu_start, markdown_table, write_json
-from benchmarks.fixtures import make_timer, ours, shape_workloads
+from benchmarks._common import environment, markdown_table, write_json
+from benchmarks.fixtures import ours, shape_tool_start, shape_workloads
 from cascadeinfer.cascade import multi_level
 
 SHAPES = ("256,4096,144", "256,4096,256", "64,8192,256", "128,32768,512", "256,4096,128", "16,65536,1024")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", nargs="*", default=list(SHAPES), help="batch,prefix,suffix triples")
-    ap.add_argument("--rep-ms", type=int, default=100)
-    ap.add_argument("--json", metavar="PATH")
-    args = ap.parse_args()
-    device = gpu_start("probe_stream_priority")
-    timer = make_timer(device, args.rep_ms)
+    args, device, timer = shape_tool_start(__doc__, "probe_stream_priority", SHAPES, 100)
     low, high = torch.cuda.Stream.priority_range()  # (lowest, highest): numerically high to low
     priorities = sorted({low, high, (low + high) // 2}, reverse=True)
     rows = []

@@ -13,18 +13,21 @@ beside them (the public launchers on that level's table), and the floor.
 
 from __future__ import annotations
 
-import argparse
 from unittest import mock
 
 from benchmarks._common import (
     environment,
-    gpu_start,
     markdown_table,
     measure_ceilings,
     roofline_floor,
     write_json,
 )
-from benchmarks.fixtures import level_alone_calls, make_timer, ours, shape_workloads
+from benchmarks.fixtures import (
+    level_alone_calls,
+    ours,
+    shape_tool_start,
+    shape_workloads,
+)
 from cascadeinfer.cascade import plan as plan_mod
 
 ENGINE_SHAPES = ("256,4096,144", "256,4096,256", "256,4096,384")
@@ -32,15 +35,10 @@ SHARES = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.85, 1.0)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", nargs="*", default=list(ENGINE_SHAPES), help="batch,prefix,suffix triples")
-    ap.add_argument("--shares", nargs="*", type=float, default=list(SHARES))
-    ap.add_argument("--rep-ms", type=int, default=100)
-    ap.add_argument("--json", metavar="PATH")
-    args = ap.parse_args()
-    device = gpu_start("tune_prefix_share")
+    args, device, timer = shape_tool_start(
+        __doc__, "tune_prefix_share", ENGINE_SHAPES, 100,
+        lambda ap: ap.add_argument("--shares", nargs="*", type=float, default=list(SHARES)))
     copy_bw, mm_rate = measure_ceilings()
-    timer = make_timer(device, args.rep_ms)
     rows = []
     for text, s, wl in shape_workloads(args.shapes, device):
         row = {"shape": text, "floor us": roofline_floor(s.io_bytes, s.flops, copy_bw, mm_rate) * 1e6}

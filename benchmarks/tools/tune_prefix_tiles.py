@@ -16,7 +16,6 @@ Each run's answer is checked against the default's.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 from unittest import mock
 
@@ -24,13 +23,17 @@ import torch
 
 from benchmarks._common import (
     environment,
-    gpu_start,
     markdown_table,
     measure_ceilings,
     roofline_floor,
     write_json,
 )
-from benchmarks.fixtures import level_alone_calls, make_timer, ours, shape_workloads
+from benchmarks.fixtures import (
+    level_alone_calls,
+    ours,
+    shape_tool_start,
+    shape_workloads,
+)
 from cascadeinfer.cascade import cost as cost_mod
 from cascadeinfer.cascade import plan as plan_mod
 from cascadeinfer.kernels import policy
@@ -67,14 +70,8 @@ def prefix_tiles(config: TileConfig | None):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", nargs="*", default=list(SHAPES), help="batch,prefix,suffix triples")
-    ap.add_argument("--rep-ms", type=int, default=60)
-    ap.add_argument("--json", metavar="PATH")
-    args = ap.parse_args()
-    device = gpu_start("tune_prefix_tiles")
+    args, device, timer = shape_tool_start(__doc__, "tune_prefix_tiles", SHAPES, 60)
     copy_bw, mm_rate = measure_ceilings()
-    timer = make_timer(device, args.rep_ms)
     rows = []
     for text, s, wl in shape_workloads(args.shapes, device):
         floor = roofline_floor(s.io_bytes, s.flops, copy_bw, mm_rate) * 1e6
