@@ -516,7 +516,9 @@ def counters(n: int, device: torch.device) -> torch.Tensor:
 
 # (device index, raw stream) -> the zeroed counter block of replays on that stream.
 _STREAM_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
-# (device index, raw stream) -> the scratch block of replays on that stream, while none has it checked out.
+# (device index, raw stream) -> the scratch block of replays on that stream, while none has it
+# checked out. Like the counter blocks, kept for every stream that ever replayed there (at
+# most _STREAM_SCRATCH_BYTES each; an engine uses a few streams).
 _STREAM_SCRATCH: dict[tuple[int, int], torch.Tensor] = {}
 
 
@@ -524,9 +526,8 @@ def _stream_block(device: torch.device, stream: int, current: int, nbytes: int,
                   old: torch.Tensor | None) -> torch.Tensor:
     """A new scratch block for ``stream``: ``nbytes`` at least, twice ``old`` where that is
     larger (so a stream whose calls grow reallocates a few times only), up to
-    ``_STREAM_SCRATCH_BYTES``. Allocated on ``stream``: the
-    caching allocator then reuses ``old``, dropped here, only behind the kernels already
-    enqueued there."""
+    ``_STREAM_SCRATCH_BYTES``. Allocated on ``stream``: the caching allocator then reuses
+    ``old``, dropped here, only behind the kernels already enqueued there."""
     size = max(nbytes, min(_STREAM_SCRATCH_BYTES, 0 if old is None else 2 * old.numel()))
     if stream == current:
         return torch.empty(size, dtype=torch.uint8, device=device)
