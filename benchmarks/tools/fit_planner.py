@@ -229,7 +229,7 @@ def main() -> None:
     for i, j in itertools.combinations(range(len(dims)), 2):
         for di, dj in itertools.product((-1, 1), repeat=2):
             e = np.zeros(len(dims), dtype=int); e[i] = di; e[j] = dj; steps.append(e)
-    top = int(score.max())  # every row where some combination passes them all
+    top = int(score.max())  # the most rows any combination passes (all of them, where one does)
 
     def robustness(k):
         nb = index[k] + np.array(steps)
