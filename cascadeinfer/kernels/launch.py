@@ -529,10 +529,16 @@ def _stream_block(device: torch.device, stream: int, current: int, nbytes: int,
     ``_STREAM_SCRATCH_BYTES``. Allocated on ``stream``: the caching allocator then reuses
     ``old``, dropped here, only behind the kernels already enqueued there."""
     size = max(nbytes, min(_STREAM_SCRATCH_BYTES, 0 if old is None else 2 * old.numel()))
+    return _on_stream(stream, current, device, lambda: torch.empty(size, dtype=torch.uint8, device=device))
+
+
+def _on_stream(stream: int, current: int, device: torch.device, make):
+    """``make()`` with raw ``stream`` current: a block it allocates belongs to that stream's
+    pool, and whatever it enqueues (a zero fill) runs there."""
     if stream == current:
-        return torch.empty(size, dtype=torch.uint8, device=device)
+        return make()
     with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=device)):
-        return torch.empty(size, dtype=torch.uint8, device=device)
+        return make()
 
 
 def _stream_counters(device: torch.device, device_index: int, stream: int, current: int,
@@ -543,11 +549,8 @@ def _stream_counters(device: torch.device, device_index: int, stream: int, curre
     block = _STREAM_COUNTERS.get((device_index, stream))
     if block is None or block.numel() * 4 < nbytes:
         size = max(nbytes // 4, 0 if block is None else 2 * block.numel())
-        if stream == current:
-            block = torch.zeros(size, dtype=torch.int32, device=device)
-        else:  # zeroed on the stream whose kernels will count in it
-            with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=device)):
-                block = torch.zeros(size, dtype=torch.int32, device=device)
+        # zeroed on the stream whose kernels will count in it
+        block = _on_stream(stream, current, device, lambda: torch.zeros(size, dtype=torch.int32, device=device))
         _STREAM_COUNTERS[(device_index, stream)] = block
     return block
 
