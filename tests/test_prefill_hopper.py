@@ -465,7 +465,8 @@ def _compile_hopper_ptx(head_dim: int, page_size: int, dtype: str) -> str:
     kernel = prefill_kernel_hopper.prefill_kernel_hopper
     names = [p.name for p in kernel.params]
     constexprs = {"GROUP_SIZE": 4, "PAGE_SIZE": page_size, "HEAD_DIM": head_dim, "BLOCK_N": block_n,
-                  "K_STAGES": k_stages, "V_STAGES": v_stages, "PRODUCER_REGS": 40, "CONSUMER_REGS": 232}
+                  "K_STAGES": k_stages, "V_STAGES": v_stages, "PRODUCER_REGS": B.HOPPER_PREFILL_REGS[0],
+                  "CONSUMER_REGS": B.HOPPER_PREFILL_REGS[1]}
     signature = {}
     for n in names:
         if n in constexprs:

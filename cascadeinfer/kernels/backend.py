@@ -50,6 +50,10 @@ HOPPER_PREFILL_MIN_WORK = {64: 2**25, 128: 2**23}
 # memory is (128 Q rows + slots * BLOCK_N) * head_dim * 2 bytes (224 KiB at 128, 144 KiB
 # at 64; the limit is 227).
 HOPPER_PREFILL_TILES = {64: (128, 4, 4), 128: (128, 3, 3)}
+# Its setmaxnreg split (producer, consumer) registers a thread: the producer gathers a partial
+# tile 32 rows at a time (40); each consumer holds a 64x128 score tile in flight beside its
+# softmax (232).
+HOPPER_PREFILL_REGS = (40, 232)
 
 
 def check_backend(backend: object) -> str | None:

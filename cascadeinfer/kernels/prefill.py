@@ -39,6 +39,7 @@ from cascadeinfer._checks import (
 )
 from cascadeinfer._device import capturing, use_triton
 from cascadeinfer.kernels.backend import (
+    HOPPER_PREFILL_REGS,
     HOPPER_PREFILL_TILES,
     check_backend,
     hopper_refused,
@@ -226,10 +227,8 @@ def _launch_hopper(q, qo_indptr, kv: KVSource, o_dest, lse_dest, sm_scale: float
         BLOCK_N=block_n,
         K_STAGES=k_stages,
         V_STAGES=v_stages,
-        # setmaxnreg: the producer gathers a partial tile 32 rows at a time (40 registers);
-        # each consumer holds a 64x128 score tile in flight beside its softmax (232).
-        PRODUCER_REGS=40,
-        CONSUMER_REGS=232,
+        PRODUCER_REGS=HOPPER_PREFILL_REGS[0],
+        CONSUMER_REGS=HOPPER_PREFILL_REGS[1],
         num_warps=4,
     )
 
