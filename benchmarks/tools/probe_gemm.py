@@ -2,6 +2,7 @@
 
     python -m benchmarks.tools.probe_gemm                       # Llama-3-8B shapes, 256 tokens
     python -m benchmarks.tools.probe_gemm --tokens 64 128 256 --json PATH
+    python -m benchmarks.tools.probe_gemm --triton --json PATH  # Triton tiles and K splits beside cuBLAS
 
 A full-batch decode step of the engine spends most of its time in ``F.linear`` with a
 few hundred rows against each weight matrix: the weights are read once, so each GEMM's
@@ -9,7 +10,9 @@ floor is its bytes over the copy bandwidth. For every projection of a Llama-3-8B
 (and the LM head) this times ``F.linear`` through each BLAS library PyTorch offers
 (``torch.backends.cuda.preferred_blas_library``), CUDA-graph replays over weight copies
 rotated past L2, beside the floor; then the whole step's GEMM time (32 layers plus the
-head) per library.
+head) per library. With ``--triton`` it sweeps a Triton GEMM instead (pointer loads or TMA
+descriptors, ``TRITON_CONFIGS`` tiles, K split 1/2/4 ways and summed by a second kernel)
+and prints the best config per GEMM beside cuBLAS; every timing goes to the JSON.
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ import sys
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from benchmarks._common import (
     bench_rotating,
@@ -34,6 +40,170 @@ from benchmarks._common import (
 LLAMA3_8B = [("qkv", 4096, 6144, 32), ("o", 4096, 4096, 32), ("gate_up", 4096, 28672, 32),
              ("down", 14336, 4096, 32), ("lm_head", 4096, 128256, 1)]
 LIBRARIES = ["cublas", "cublaslt"]
+# Triton tile configs swept with --triton: (BM, BN, BK, stages, warps).
+TRITON_CONFIGS = [(64, 128, 64, 4, 4), (64, 128, 64, 6, 4), (64, 256, 64, 3, 4), (64, 256, 64, 4, 4),
+                  (64, 256, 64, 4, 8), (128, 128, 64, 3, 4), (128, 128, 64, 4, 8), (128, 128, 64, 5, 8),
+                  (128, 256, 64, 3, 8), (128, 256, 64, 4, 8)]
+SPLITS = (1, 2, 4)
+
+
+@triton.jit
+def _linear_kernel(
+    a_ptr,  # [M, K] activations, K contiguous
+    b_ptr,  # [N, K] weight (F.linear layout), K contiguous
+    c_ptr,  # [M, N] out (SPLIT == 1) or [splits, M, N] float32 partial sums
+    M, N, k_per_split,
+    stride_am, stride_bn, stride_cs, stride_cm,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+    PARTIAL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    num_m = tl.cdiv(M, BM)
+    # The m tiles of one weight tile are neighbours in launch order: the weight tile is
+    # read from memory once and from L2 by the other row tiles.
+    pid_m = pid % num_m
+    pid_n = pid // num_m
+    k0 = split * k_per_split
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + (k0 + offs_k)[None, :]
+    b_ptrs = b_ptr + offs_n.to(tl.int64)[:, None] * stride_bn + (k0 + offs_k)[None, :]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for _ in tl.range(0, k_per_split, BK, num_stages=STAGES):
+        a = tl.load(a_ptrs, mask=(offs_m < M)[:, None], other=0.0)
+        b = tl.load(b_ptrs, mask=(offs_n < N)[:, None], other=0.0)
+        acc = tl.dot(a, tl.trans(b), acc)
+        a_ptrs += BK
+        b_ptrs += BK
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    c_offs = split.to(tl.int64) * stride_cs + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    if PARTIAL:
+        tl.store(c_ptr + c_offs, acc, mask=mask)
+    else:
+        tl.store(c_ptr + c_offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _linear_tma_kernel(
+    a_desc, b_desc,  # TensorDescriptor of a [M, K] (block [BM, BK]) and b [N, K] (block [BN, BK])
+    c_ptr, M, N, k_per_split, stride_cs, stride_cm,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+    PARTIAL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    num_m = tl.cdiv(M, BM)
+    pid_m = pid % num_m
+    pid_n = pid // num_m
+    k0 = split * k_per_split
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in tl.range(0, k_per_split, BK, num_stages=STAGES):
+        a = a_desc.load([pid_m * BM, k0 + k])
+        b = b_desc.load([pid_n * BN, k0 + k])
+        acc = tl.dot(a, b.T, acc)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    c_offs = split.to(tl.int64) * stride_cs + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    if PARTIAL:
+        tl.store(c_ptr + c_offs, acc, mask=mask)
+    else:
+        tl.store(c_ptr + c_offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _sum_splits_kernel(p_ptr, out_ptr, n, splits, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(splits):
+        acc += tl.load(p_ptr + s * n + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def triton_linear_fn(x, w, out, cfg, splits, tma):
+    """A callable computing ``out = x @ w.T`` with one tile config, split over K ``splits`` ways."""
+    bm, bn, bk, stages, warps = cfg
+    m, k = x.shape
+    n = w.shape[0]
+    if k % (bk * splits):
+        return None
+    per = k // splits
+    part = torch.empty(splits, m, n, device=x.device, dtype=torch.float32) if splits > 1 else None
+    c = part if splits > 1 else out
+    stride_cs = part.stride(0) if splits > 1 else 0
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), splits)
+    total = m * n
+    if tma:
+        a_desc = TensorDescriptor.from_tensor(x, [bm, bk])
+        b_desc = TensorDescriptor.from_tensor(w, [bn, bk])
+
+        def gemm():
+            _linear_tma_kernel[grid](a_desc, b_desc, c, m, n, per, stride_cs, n, BM=bm, BN=bn, BK=bk,
+                                     STAGES=stages, PARTIAL=splits > 1, num_warps=warps)
+    else:
+        def gemm():
+            _linear_kernel[grid](x, w, c, m, n, per, x.stride(0), w.stride(0), stride_cs, n, BM=bm, BN=bn,
+                                 BK=bk, STAGES=stages, PARTIAL=splits > 1, num_warps=warps)
+    if splits == 1:
+        return gemm
+
+    def gemm_and_sum():
+        gemm()
+        _sum_splits_kernel[(triton.cdiv(total, 1024),)](part, out, total, splits, BLOCK=1024, num_warps=4)
+    return gemm_and_sum
+
+
+def time_triton(tokens: int, k: int, n: int, cfg, splits: int, tma: bool) -> float | None:
+    """Seconds per Triton GEMM with ``cfg``/``splits`` (None: the config does not apply or fails)."""
+    copies = rotation_count(n * k * 2)
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
+    outs = [torch.empty(tokens, n, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+    try:
+        fns = [triton_linear_fn(x, w, o, cfg, splits, tma) for w, o in zip(ws, outs)]
+        if fns[0] is None:
+            return None
+        fns[0]()
+        torch.cuda.synchronize()
+    except Exception as e:  # out of resources for this config
+        print("skip", cfg, splits, tma, type(e).__name__, str(e)[:120], flush=True)
+        return None
+    ref = F.linear(x.float(), ws[0].float())
+    err = (outs[0].float() - ref).abs().max().item()
+    if err > 0.05 * ref.abs().max().item():
+        raise AssertionError(f"triton {cfg} x{splits} ({tokens}, {k}, {n}): max error {err}")
+    return bench_rotating(fns, rep_ms=100)
+
+
+def sweep_triton(tokens, copy_bw, mm_rate):
+    """Best Triton config per GEMM beside cuBLAS; every timing kept."""
+    rows, every = [], []
+    for name, k, n, _ in LLAMA3_8B:
+        floor = roofline_floor(2 * (n * k + tokens * k + tokens * n), 2 * tokens * n * k, copy_bw, mm_rate)
+        t_blas = time_linear(tokens, k, n, "cublas")
+        best = None
+        for tma in (False, True):
+            for cfg in TRITON_CONFIGS:
+                for splits in SPLITS:
+                    if name == "lm_head" and splits > 1:
+                        continue
+                    t = time_triton(tokens, k, n, cfg, splits, tma)
+                    if t is None:
+                        continue
+                    every.append({"gemm": name, "cfg": list(cfg), "splits": splits, "tma": tma, "us": round(t * 1e6, 2)})
+                    if best is None or t < best[0]:
+                        best = (t, cfg, splits, tma)
+        row = {"tokens": tokens, "gemm": f"{name} {k}x{n}", "floor us": round(floor * 1e6, 1),
+               "cublas us": round(t_blas * 1e6, 1), "triton us": round(best[0] * 1e6, 1),
+               "triton / cublas": round(best[0] / t_blas, 3),
+               "best": f"{best[1]} x{best[2]}{' tma' if best[3] else ''}"}
+        print(row, flush=True)
+        rows.append(row)
+    return rows, every
+
 
 
 def time_linear(tokens: int, k: int, n: int, library: str) -> float:
@@ -55,12 +225,23 @@ def time_linear(tokens: int, k: int, n: int, library: str) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", nargs="*", type=int, default=[256])
+    ap.add_argument("--triton", action="store_true", help="sweep Triton tile configs and K splits beside cuBLAS")
     ap.add_argument("--json", metavar="PATH", help="write the results and the environment here as JSON")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA device")
     default = torch.backends.cuda.preferred_blas_library()
     copy_bw, mm_rate = measure_ceilings()
+    if args.triton:
+        rows, every = [], []
+        for tokens in args.tokens:
+            r, e = sweep_triton(tokens, copy_bw, mm_rate)
+            rows += r
+            every += e
+        print(markdown_table(rows, list(rows[0])))
+        write_json(args.json, {"environment": environment(), "copy_bw": copy_bw, "mm_rate": mm_rate,
+                               "rows": rows, "every": every})
+        return
     rows, totals = [], []
     for tokens in args.tokens:
         step = {lib: 0.0 for lib in LIBRARIES}
