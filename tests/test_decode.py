@@ -296,6 +296,54 @@ def test_pick_decode_config():
     assert pick(8, dtype=torch.float32).num_warps == 8
 
 
+def test_pick_decode_config_shared_pages():
+    """Page lists that share their pages: the sub-tiled tiles from 3/4 pair per SM up,
+    16-bit, head_dim 65-128, groups of at most 4; the plain rule everywhere else."""
+    def pick(work, group=4, dtype=torch.bfloat16, head_dim=128, shared=True):
+        return pick_decode_config(head_dim, dtype, 16, work=work, num_sms=132, group_size=group,
+                                  shared_pages=shared)
+
+    sub = DECODE_VARIANTS["n32_w2_s5_x2"]
+    assert sub.subtiles == 2 and sub.block_n // sub.subtiles == 16
+    assert pick(99) == pick(128) == pick(2048, group=1) == pick(4096, dtype=torch.float16) == sub
+    assert pick(98) == pick(98, shared=False)  # below 3/4 pair per SM the default's splits do as well
+    assert pick(2048, shared=False) == DECODE_VARIANTS["n16_w2_s5"]
+    assert pick(512, group=8) == pick(512, group=8, shared=False)
+    assert pick(512, head_dim=64) == pick(512, head_dim=64, shared=False)
+    assert pick(512, dtype=torch.float32) == pick(512, dtype=torch.float32, shared=False)
+    # 128 pairs x 4 splits at 4 programs per SM: (16, 65536, 1024)'s best split count
+    assert decode_num_splits(16, 8, "cpu", programs_per_sm=sub.programs_per_sm) == 4
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+def test_shared_pages_schedule(device, num_splits):
+    """schedule="shared_pages" over page lists that repeat a common prefix: the same
+    attention (at this small shape it runs the default tiles; the sub-tiled ones run in
+    test_decode_variants and test_subtiles_share_prefix_pages)."""
+    run_and_check(device, lens=[40, 0, 33, 17], hq=8, hkv=2, head_dim=128, dtype=torch.bfloat16,
+                  num_splits=num_splits, schedule="shared_pages", seed=5)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_subtiles_share_prefix_pages(device, num_splits):
+    """The sub-tiled kernel over page lists that all start with the same prefix pages (the
+    shape it is picked for), ragged own pages, a tail tile, an empty row."""
+    lens = [0, 1, 70, 45, 16]
+    q, cache, indptr, indices, last = make_case(device, lens=lens, page_size=16, hq=8, hkv=2, head_dim=128,
+                                                dtype=torch.bfloat16, seed=9)
+    prefix = indices[indptr[2]:indptr[2] + 2].clone()  # two pages every non-empty row starts with
+    rows = [indices[indptr[b]:indptr[b + 1]] for b in range(len(lens))]
+    rows = [r if r.numel() == 0 else torch.cat([prefix, r[2:] if b == 2 else r]) for b, r in enumerate(rows)]
+    new_lens = [0 if r.numel() == 0 else r.numel() for r in rows]
+    indptr = torch.tensor([0, *torch.tensor(new_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    indices = torch.cat(rows).to(torch.int32)
+    out, lse = poisoned(q)
+    o, s = decode_mod.decode_with_config(
+        q, cache, indptr, indices, last, kv_layout="NHD", sm_scale=None, num_splits=num_splits,
+        schedule="per_request", out=out, lse=lse, validate=True, config=DECODE_VARIANTS["n32_w2_s5_x2"])
+    check_against_reference(q, cache, indptr, indices, last, o, s)
+
+
 # --------------------------------------------------------------------------- bad input
 
 

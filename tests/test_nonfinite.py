@@ -28,7 +28,7 @@ import torch
 from cascadeinfer.cascade.multi_level import MultiLevelCascadeAttention
 from cascadeinfer.kernels import policy
 from cascadeinfer.kernels import prefill as P
-from cascadeinfer.kernels.decode import batch_decode_paged, batch_decode_paged_ref
+from cascadeinfer.kernels.decode import batch_decode_paged, batch_decode_paged_ref, decode_with_config
 from cascadeinfer.kernels.merge import merge_state, merge_state_in_place
 from cascadeinfer.kernels.merge_many import merge_states, merge_states_ragged
 from cascadeinfer.kernels.prefill import (
@@ -193,6 +193,20 @@ def test_decode_16_bit(device, dtype, schedule, num_splits):
     o, lse = batch_decode_paged(q, cache, table.kv_indptr, table.kv_indices, table.kv_last_page_len,
                                 schedule=schedule, num_splits=num_splits)
     check(o, lse, *decode_reference(q, cache, table), dtype)
+
+
+@GARBAGE
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_subtiles(device, bad, num_splits):
+    """The sub-tiled tiles of the "shared_pages" schedule (a softmax state per 16-key
+    sub-tile, folded together after the key loop): garbage poisons exactly the heads it
+    reaches, an empty row stays (0, -inf), even where a sub-tile sees only masked keys."""
+    q, cache, table = decode_case(bad, torch.bfloat16, device, seed=3)
+    o, lse = decode_with_config(
+        q, cache, table.kv_indptr, table.kv_indices, table.kv_last_page_len, kv_layout="NHD", sm_scale=None,
+        num_splits=num_splits, schedule="per_request", out=None, lse=None, validate=True,
+        config=policy.DECODE_VARIANTS["n32_w2_s5_x2"])
+    check(o, lse, *decode_reference(q, cache, table), torch.bfloat16)
 
 
 @GARBAGE

@@ -203,3 +203,28 @@ def test_pick_decode_schedule_takes_numpy_lengths():
     cpu = torch.device("cpu")
     assert pick_decode_schedule(64, 8, cpu, seq_lens=np.array([65536] + [1024] * 63)) == "balanced"
     assert pick_decode_schedule(4, 8, cpu, seq_lens=np.array([100, 90, 95, 99])) == "per_request"
+
+
+def test_flat_over_shared_pages_takes_the_shared_pages_schedule():
+    """A flat plan whose upper level groups several rows decodes with the "shared_pages"
+    tiles (the rows re-read those pages from L2); one row per upper group, or a cascade,
+    keeps the per-request schedule."""
+    i32 = dict(dtype=torch.int32)
+    batch, own = 4, [1, 1, 1, 1]  # equal lengths: per-request, not balanced
+
+    def tables(shared: bool):
+        top = [0, 4] if shared else list(range(batch + 1))
+        top_pages = 2 if shared else 2 * batch
+        own_ptr = [0, *np.cumsum(own).tolist()]
+        return ([torch.tensor(top, **i32), torch.arange(batch + 1, **i32)],
+                [torch.tensor([0, 2] if shared else list(range(0, 2 * batch + 1, 2)), **i32),
+                 torch.tensor(own_ptr, **i32)],
+                [torch.arange(top_pages, **i32), torch.arange(top_pages, top_pages + sum(own), **i32)],
+                [torch.full((len(top) - 1,), 4, **i32), torch.tensor([4, 4, 3, 4], **i32)])
+
+    for shared, use_cascade, want in ((True, False, "shared_pages"), (False, False, "per_request"),
+                                      (True, True, "per_request")):
+        attn = MultiLevelCascadeAttention(2, device="cpu")
+        attn.plan(*tables(shared), 8, 2, 128, 4, use_cascade=use_cascade)
+        level = attn._levels[-1] if use_cascade else attn._flat
+        assert level.schedule == want, (shared, use_cascade)

@@ -8,7 +8,8 @@ and a launch whose programs read a shared page at about the same time finds it i
 Per shape of bench_cascade's bar and short-prefix sets (bf16, Hq 32, Hkv 8, D 128, page
 16; the flat tables of :class:`benchmarks.fixtures.Workload`, prefix pages first in every
 list): FlashInfer's flat decode (tensor cores), ours as the launcher picks it, then every
-decode variant x split count, and the balanced schedule. CUDA-graph replays over rotated
+decode variant x split count, the "shared_pages" schedule (what the cascade planner's flat
+fallback runs) and the balanced schedule. CUDA-graph replays over rotated
 pools; every answer is checked against the default's first. (A program order with
 requests before splits was measured too and not kept: benchmarks/NOTES.md, "Flat decode
 over shared prefixes".)
@@ -47,7 +48,8 @@ SPLITS = (1, 2, 4, 8, 16)
 MAX_PROGRAMS = 4096
 
 
-def shape_rows(s: Shape, fi, copy_bw: float, device: torch.device, rep_ms: int) -> list[dict]:
+def shape_rows(s: Shape, fi, copy_bw: float, device: torch.device, rep_ms: int,
+               variants=tuple(DECODE_VARIANTS), splits_list=SPLITS) -> list[dict]:
     wl = Workload(s, device, seed=0, min_pool_bytes=MIN_POOL_BYTES, max_rot=MAX_ROTATIONS)
     outs, lses = wl.out_buffers()
     tables = (wl.flat_indptr, wl.flat_indices, wl.flat_last)
@@ -76,13 +78,17 @@ def shape_rows(s: Shape, fi, copy_bw: float, device: torch.device, rep_ms: int) 
     if fi_method is not None:
         fi_us = bench_rotating([fi_method.call(i) for i in range(wl.rot)], rep_ms=rep_ms) * 1e6
         rows.append(dict(shape=label, launch="FlashInfer flat (tensor cores)", us=fi_us))
-    for name, cfg in DECODE_VARIANTS.items():
-        for splits in SPLITS:
+    for name in variants:
+        cfg = DECODE_VARIANTS[name]
+        for splits in splits_list:
             if s.batch * s.hkv * splits > MAX_PROGRAMS:
                 continue
             us, answer = timed(variant(cfg, splits, "per_request"))
             torch.testing.assert_close(answer, base, atol=2e-2, rtol=2e-2)
             rows.append(dict(shape=label, launch=f"{name} x{splits}", us=us))
+    us, answer = timed(variant(None, None, "shared_pages"))
+    torch.testing.assert_close(answer, base, atol=2e-2, rtol=2e-2)
+    rows.append(dict(shape=label, launch="shared_pages schedule", us=us))
     us, answer = timed(variant(None, None, "balanced"))
     torch.testing.assert_close(answer, base, atol=2e-2, rtol=2e-2)
     rows.append(dict(shape=label, launch="balanced schedule", us=us))
@@ -97,14 +103,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rep-ms", type=int, default=50)
     ap.add_argument("--json", metavar="PATH")
+    ap.add_argument("--shapes", nargs="*", help="only these shapes, as batch,prefix,suffix")
+    ap.add_argument("--variants", nargs="*", default=list(DECODE_VARIANTS), choices=list(DECODE_VARIANTS))
+    ap.add_argument("--splits", nargs="*", type=int, default=list(SPLITS))
     args = ap.parse_args()
+    shapes = [tuple(int(v) for v in x.split(",")) for x in args.shapes] if args.shapes else SHAPES
     device = gpu_start("probe_flat_shared")
     env = environment()
     fi = load_flashinfer()
     copy_bw, _ = measure_ceilings()
     rows = []
-    for b, p, sfx in SHAPES:
-        rows += shape_rows(Shape(b, p, sfx), fi, copy_bw, device, args.rep_ms)
+    for b, p, sfx in shapes:
+        rows += shape_rows(Shape(b, p, sfx), fi, copy_bw, device, args.rep_ms, args.variants, args.splits)
         print(markdown_table([r for r in rows if r["shape"] == rows[-1]["shape"]],
                              ["shape", "launch", "us", "over_best_ours", "unique_bytes_us"]), flush=True)
     write_json(args.json, dict(env=env, copy_Bps=copy_bw, rows=rows))

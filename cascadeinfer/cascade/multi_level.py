@@ -412,6 +412,11 @@ class MultiLevelCascadeAttention:
             dev_level.schedule = pick_decode_schedule(
                 host_level.num_groups, num_kv_heads, self.device, head_dim=head_dim, dtype=dtype,
                 seq_lens=host_level.keys)
+            shared = any(lv.num_groups < levels[-1].num_groups for lv in levels[:-1])
+            if not self.use_cascade and shared and dev_level.schedule == "per_request":
+                # Flat over levels whose groups hold several rows: the rows re-read those
+                # pages, which L2 serves (batch_decode_paged's "shared_pages" tiles).
+                dev_level.schedule = "shared_pages"
         self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size = num_qo_heads, num_kv_heads, head_dim, page_size
         self.num_tokens = int(levels[0].qo_indptr[-1])
         self.causal = bool(causal)

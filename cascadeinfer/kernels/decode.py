@@ -9,6 +9,14 @@ schedules of the same math.
   and grids that would end in a partial wave keep every SM busy. Each request boundary
   inside a program drains its K/V pipeline, which costs 1-5% where the per-request plan
   already fills the machine.
+- **shared_pages**: the per-request kernel for requests whose page lists share most of
+  their pages (flat decode over a common prefix). Their re-reads come from L2, so the
+  kernel's own work per key is the limit, not memory: each 32-key tile is cut into two
+  16-key sub-tiles with a softmax state each, one per warp, so no tile exchanges row
+  maxima, sums or probabilities between warps (``SUBTILES`` in
+  :mod:`cascadeinfer.kernels.decode_kernel`). Reading from HBM the default tiles are as
+  fast or faster, so nothing picks this schedule from shapes; a caller that knows its
+  requests share pages (the cascade planner's flat fallback) asks for it.
 
 :func:`batch_decode_paged` takes ``schedule=``; by default :func:`pick_decode_schedule`
 chooses from shapes (the per-request plan's wave tail), and a caller that knows the lengths
@@ -108,7 +116,7 @@ def batch_decode_paged(
         kv_last_page_len: int32 ``[batch]``, tokens in each request's last page, in ``[1, page_size]``.
         kv_layout: ``"NHD"`` or ``"HND"``.
         sm_scale: softmax scale, default ``head_dim ** -0.5``.
-        num_splits: with ``schedule="per_request"``, KV splits per (request, kv head),
+        num_splits: with ``schedule="per_request"`` or ``"shared_pages"``, KV splits per (request, kv head),
             1..256: each reads ``cdiv(num_pages, num_splits)`` consecutive pages of its
             request and the last split to finish merges them (a merge kernel, past a
             few bytes of states per program). With ``"balanced"``,
@@ -117,10 +125,13 @@ def batch_decode_paged(
             (found on the device) and a second kernel merges the requests a cut runs
             through. None: the schedule's plan from shapes (:func:`decode_num_splits`,
             :func:`balanced_num_programs`).
-        schedule: ``"per_request"``, ``"balanced"``, or None: :func:`pick_decode_schedule`
+        schedule: ``"per_request"``, ``"balanced"``, ``"shared_pages"`` (per-request
+            programs with tiles for page lists that share most of their pages, e.g. a
+            common prefix: see the module docstring), or None: :func:`pick_decode_schedule`
             from shapes (it never reads lengths here; pass ``schedule`` from
             ``pick_decode_schedule(..., seq_lens=...)`` when lengths vary and are known
-            on the host), or ``"per_request"`` when ``num_splits`` is given.
+            on the host), or ``"per_request"`` when ``num_splits`` is given. The answer
+            is the same under every schedule, up to rounding.
         out: optional ``[batch, num_qo_heads, head_dim]`` output buffer (dtype of ``q``,
             last dimension contiguous).
         lse: optional float32 ``[batch, num_qo_heads]`` buffer for the LSE.
@@ -198,7 +209,7 @@ def decode_with_config(
         schedule = "per_request" if num_splits is not None else pick_decode_schedule(
             batch, kv.num_kv_heads, device, head_dim=head_dim, dtype=q.dtype)
     if num_splits is not None:
-        limit = MAX_SPLITS if schedule == "per_request" else balanced.MAX_PROGRAMS
+        limit = balanced.MAX_PROGRAMS if schedule == "balanced" else MAX_SPLITS
         if not isinstance(num_splits, int) or isinstance(num_splits, bool) or not 1 <= num_splits <= limit:
             raise ValueError(f"num_splits: expected an int in [1, {limit}] for schedule {schedule!r} "
                              f"or None, got {num_splits!r}")
@@ -228,7 +239,8 @@ def decode_with_config(
         elif schedule == "balanced":
             _launch_balanced(q, kv, kv_indptr, kv_indices, kv_last_page_len, out, lse, scale, num_splits, config)
         else:
-            _launch_per_request(q, kv, kv_indptr, kv_indices, kv_last_page_len, out, lse, scale, num_splits, config)
+            _launch_per_request(q, kv, kv_indptr, kv_indices, kv_last_page_len, out, lse, scale, num_splits, config,
+                                shared_pages=schedule == "shared_pages")
     return out, lse
 
 
@@ -250,14 +262,15 @@ def _launch_balanced(q, kv: PagedKV, kv_indptr, kv_indices, kv_last_page_len, ou
 
 
 def _launch_per_request(q, kv: PagedKV, kv_indptr, kv_indices, kv_last_page_len, out, lse, scale: float,
-                        num_splits: int | None, config: DecodeConfig | None) -> None:
+                        num_splits: int | None, config: DecodeConfig | None, *, shared_pages: bool = False) -> None:
     """The per-request schedule (this module's kernel; with splits, its last split per
-    (request, kv head) merges them, or merge_states' kernel after it)."""
+    (request, kv head) merges them, or merge_states' kernel after it); ``shared_pages``:
+    the tiles for page lists that share their pages."""
     device = q.device
     batch, num_qo_heads, head_dim = q.shape
     cfg = config if config is not None else pick_decode_config(
         head_dim, q.dtype, kv.page_size, work=batch * kv.num_kv_heads, num_sms=policy.planning_sms(device),
-        group_size=num_qo_heads // kv.num_kv_heads)
+        group_size=num_qo_heads // kv.num_kv_heads, shared_pages=shared_pages)
     if num_splits is None:
         num_splits = decode_num_splits(batch, kv.num_kv_heads, device, programs_per_sm=cfg.programs_per_sm)
     merge = num_splits > 1 and policy.merge_in_kernel(num_splits, num_qo_heads // kv.num_kv_heads, head_dim,
@@ -288,6 +301,7 @@ def _launch_splits(q, kv: PagedKV, kv_indptr, kv_indices, kv_last_page_len, out,
         BLOCK_D=block_d,
         PAGE_SIZE=kv.page_size,
         BLOCK_N=cfg.block_n,
+        SUBTILES=cfg.subtiles,
         NUM_STAGES=cfg.num_stages,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         SPLIT=split,

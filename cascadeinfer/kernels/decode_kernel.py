@@ -85,6 +85,86 @@ def decode_tile(
     return attend_tile(acc, l_i, m_i, q, k, v, qk_scale, tok < t_end, MASKED, DOT_PRECISION)
 
 
+@triton.jit
+def decode_subtiles(
+    acc, l_i, m_i,  # one running state per sub-tile: [SUBTILES, BLOCK_H, BLOCK_D], [SUBTILES, BLOCK_H] x2 (base 2)
+    q3,  # [SUBTILES, BLOCK_H, BLOCK_D] the packed query heads, repeated per sub-tile, input dtype
+    k_ptr, v_ptr,  # K and V pools, already offset to this kv head
+    page_ptr,  # [num_pages_of_request] int32: kv_indices + kv_indptr[request]
+    t,  # first token of this tile
+    t_end,  # one past the last token this program reads
+    stride_page, stride_token,
+    qk_scale,  # sm_scale * log2(e)
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SUBTILES: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One BLOCK_N-key tile cut into SUBTILES runs of BLOCK_N // SUBTILES keys, each folded
+    into its own online-softmax state. The products are one batched ``tl.dot`` over the
+    sub-tiles, and Triton gives each batch entry its own warp (warps along the batch axis of
+    a rank-3 dot), so every row max, row sum and the probabilities' path into ``p @ v``
+    stay inside one warp. The 2-D form spreads its warps along the keys and exchanges
+    them through shared memory every tile: its sm_90a loop body has 9 barriers and 7
+    shared stores, this one 2 barriers (the copy pipeline's) and none (n32_w2_s5, bf16,
+    D 128). The states meet once, in :func:`merge_subtiles`."""
+    SUB: tl.constexpr = BLOCK_N // SUBTILES
+    offs_w = tl.arange(0, SUBTILES)
+    offs_n = tl.arange(0, SUB)
+    offs_d = tl.arange(0, BLOCK_D)
+    tok = t + offs_w[:, None] * SUB + offs_n[None, :]  # [SUBTILES, SUB]
+    if MASKED:
+        key_ok = tok < t_end
+        page = tl.load(page_ptr + tok // PAGE_SIZE, mask=key_ok, other=0)
+    else:
+        page = tl.load(page_ptr + tok // PAGE_SIZE)
+    rows = page.to(tl.int64) * stride_page + (tok % PAGE_SIZE).to(tl.int64) * stride_token
+    offs = rows[:, :, None] + offs_d[None, None, :]  # [SUBTILES, SUB, BLOCK_D] int64
+    if MASKED:
+        if BLOCK_D == HEAD_DIM:
+            mask = key_ok[:, :, None]
+        else:
+            mask = key_ok[:, :, None] & (offs_d < HEAD_DIM)[None, None, :]
+        k = tl.load(k_ptr + offs, mask=mask, other=0.0)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+    elif BLOCK_D == HEAD_DIM:
+        k = tl.load(k_ptr + offs)
+        v = tl.load(v_ptr + offs)
+    else:
+        mask = (offs_d < HEAD_DIM)[None, None, :]
+        k = tl.load(k_ptr + offs, mask=mask, other=0.0)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+
+    s = tl.dot(q3, tl.permute(k, (0, 2, 1)), input_precision=DOT_PRECISION)  # [SUBTILES, BLOCK_H, SUB]
+    if MASKED:
+        s = tl.where(key_ok[:, None, :], s, float("-inf"))
+    # softmax.online_softmax_step along the last axis, with its empty-row guard: a
+    # sub-tile may have seen only masked keys.
+    m_new = tl.maximum(m_i, tl.max(s, 2) * qk_scale)
+    m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s * qk_scale - m_sub[:, :, None])
+    alpha = tl.math.exp2(m_i - m_sub)
+    l_i = l_i * alpha + tl.sum(p, 2)
+    acc = acc * alpha[:, :, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def merge_subtiles(acc, l_i, m_i):
+    """The sub-tiles' states ([SUBTILES, BLOCK_H, BLOCK_D], [SUBTILES, BLOCK_H] x2, base 2)
+    folded into one ([BLOCK_H, BLOCK_D], [BLOCK_H] x2), once per program. A sub-tile that
+    saw no key (m = -inf, l = 0) weighs 0; a NaN in any sub-tile's l or acc reaches the
+    sum, and an +inf max gives exp2(inf - inf) = NaN: non-finite input stays loud."""
+    m = tl.max(m_i, 0)
+    m_sub = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.math.exp2(m_i - m_sub[None, :])  # [SUBTILES, BLOCK_H]
+    return tl.sum(acc * w[:, :, None], 0), tl.sum(l_i * w, 0), m
+
+
 @triton.jit(do_not_specialize=["num_kv_heads", "num_splits"])
 def decode_kernel(
     q_ptr,  # [batch, num_qo_heads, head_dim], strides (stride_qb, stride_qh, 1)
@@ -113,6 +193,7 @@ def decode_kernel(
     BLOCK_D: tl.constexpr,  # HEAD_DIM padded to a power of two >= 16
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,  # keys per tile
+    SUBTILES: tl.constexpr,  # > 1: each tile cut into this many sub-tiles with a state each (decode_subtiles)
     NUM_STAGES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SPLIT: tl.constexpr,  # False: one split, write out and lse; True: write this split's partial state
@@ -149,19 +230,36 @@ def decode_kernel(
     v_head = v_ptr + head_off
     page_ptr = kv_indices_ptr + row_start
 
-    acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
-    l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
-    for t in tl.range(t_begin, t_full, BLOCK_N, num_stages=NUM_STAGES):
-        acc, l_i, m_i = decode_tile(
-            acc, l_i, m_i, q, k_head, v_head, page_ptr, t, t_end, stride_page, stride_token,
-            qk_scale, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, False, DOT_PRECISION,
-        )
-    if t_full < t_end:
-        acc, l_i, m_i = decode_tile(
-            acc, l_i, m_i, q, k_head, v_head, page_ptr, t_full, t_end, stride_page, stride_token,
-            qk_scale, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, True, DOT_PRECISION,
-        )
+    if SUBTILES == 1:
+        acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
+        l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+        for t in tl.range(t_begin, t_full, BLOCK_N, num_stages=NUM_STAGES):
+            acc, l_i, m_i = decode_tile(
+                acc, l_i, m_i, q, k_head, v_head, page_ptr, t, t_end, stride_page, stride_token,
+                qk_scale, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, False, DOT_PRECISION,
+            )
+        if t_full < t_end:
+            acc, l_i, m_i = decode_tile(
+                acc, l_i, m_i, q, k_head, v_head, page_ptr, t_full, t_end, stride_page, stride_token,
+                qk_scale, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, True, DOT_PRECISION,
+            )
+    else:
+        q3 = tl.broadcast_to(q[None, :, :], (SUBTILES, BLOCK_H, BLOCK_D))
+        acc3 = tl.zeros((SUBTILES, BLOCK_H, BLOCK_D), dtype=tl.float32)
+        l3 = tl.zeros((SUBTILES, BLOCK_H), dtype=tl.float32)
+        m3 = tl.full((SUBTILES, BLOCK_H), float("-inf"), dtype=tl.float32)
+        for t in tl.range(t_begin, t_full, BLOCK_N, num_stages=NUM_STAGES):
+            acc3, l3, m3 = decode_subtiles(
+                acc3, l3, m3, q3, k_head, v_head, page_ptr, t, t_end, stride_page, stride_token,
+                qk_scale, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, SUBTILES, False, DOT_PRECISION,
+            )
+        if t_full < t_end:
+            acc3, l3, m3 = decode_subtiles(
+                acc3, l3, m3, q3, k_head, v_head, page_ptr, t_full, t_end, stride_page, stride_token,
+                qk_scale, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, SUBTILES, True, DOT_PRECISION,
+            )
+        acc, l_i, m_i = merge_subtiles(acc3, l3, m3)
 
     # Emptiness comes from the range, never from l: a NaN key leaves l = NaN, which must
     # reach the output, not pass for "no keys". finish_state changes the base: m and

@@ -246,10 +246,13 @@ class DecodeConfig:
     programs_per_sm: int = 2
     min_tokens: int = 256
     pdl: bool = True
+    subtiles: int = 1
 
     def __post_init__(self) -> None:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
             raise ValueError(f"block_n: expected a power of two >= 16, got {self.block_n}")
+        if self.subtiles < 1 or self.subtiles & (self.subtiles - 1) or self.block_n // self.subtiles < 16:
+            raise ValueError(f"subtiles: expected a power of two leaving >= 16 keys per sub-tile, got {self.subtiles}")
         if (self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1 or self.programs_per_sm < 1
                 or self.min_tokens < 1):
             raise ValueError(f"invalid DecodeConfig {self}")
@@ -268,13 +271,18 @@ DECODE_VARIANTS: dict[str, DecodeConfig] = {
     "n128_w4_s3": DecodeConfig(block_n=128, num_warps=4, num_stages=3, programs_per_sm=2),
     "n64_w4_s5": DecodeConfig(block_n=64, num_warps=4, num_stages=5, programs_per_sm=3),
     "n16_w2_s5": DecodeConfig(block_n=16, num_warps=2, num_stages=5, programs_per_sm=8),
+    # Two 16-key sub-tiles per 32-key tile, a softmax state and a warp each (SUBTILES in
+    # decode_kernel): the "shared_pages" schedule's tiles. programs_per_sm 4 sets its split
+    # plan: (16, 65536, 1024) over shared pages was fastest at 4 splits (128 pairs).
+    "n32_w2_s5_x2": DecodeConfig(block_n=32, num_warps=2, num_stages=5, programs_per_sm=4, subtiles=2),
 }
 
 MAX_SPLITS = 256
 
 
 def pick_decode_config(head_dim: int, dtype: torch.dtype, page_size: int, *, work: int | None = None,
-                       num_sms: int = REFERENCE_SMS, group_size: int | None = None) -> DecodeConfig:
+                       num_sms: int = REFERENCE_SMS, group_size: int | None = None,
+                       shared_pages: bool = False) -> DecodeConfig:
     """The stage-1 launch parameters :func:`batch_decode_paged` uses for these shapes.
 
     ``work``: ``batch * num_kv_heads``, the programs before any split (None: many). The
@@ -301,8 +309,25 @@ def pick_decode_config(head_dim: int, dtype: torch.dtype, page_size: int, *, wor
     (128, 4096, 160) 67 -> 54; (128, 32768, 512) 200 -> 204; below that work,
     (64, 8192, 256), it lost: 51 -> 59). Other group sizes and head dims keep the rule
     above until measured.
+
+    ``shared_pages`` (the ``"shared_pages"`` schedule: the requests' page lists share most
+    of their pages): n32_w2_s5_x2, two 16-key sub-tiles per tile with a warp and a softmax
+    state each, where measured faster: fp16/bf16, head_dim 65-128, query groups of at most
+    4 and ``work >= 3/4 SMs``. Flat decode over shared prefix pages is then bound by the
+    kernel's work per key, not by memory, and the default tiles spend much of it on
+    exchanging row maxima, sums and probabilities between warps (H200, bf16, Hq 32 / Hkv
+    8: (64, 8192, 256) 332 -> 235 us, (128, 32768, 512) 2633 -> 1860, (256, 4096, 128)
+    674 -> 481, (16, 65536, 1024) 771 -> 469; FlashInfer's flat decode 242 / 1802 / 484 /
+    458; at 128 pairs with 4 splits). At 32-64 pairs the default's splits do as well ((4,
+    16384, 16384): 103 us, the sub-tiled tiles at their best split count 104; (8, 128,
+    2048): 24.8 against 25.6). Reading from HBM
+    the sub-tiled tiles lose (a cascade's suffix level at (256, 4096, 144): 69 against 44
+    us), so plain decode keeps the rule above.
     """
     block_d = max(16, next_power_of_2(head_dim))
+    if (shared_pages and dtype != torch.float32 and block_d == 128 and group_size is not None
+            and group_size <= 4 and work is not None and 4 * work >= 3 * num_sms):
+        return DECODE_VARIANTS["n32_w2_s5_x2"]
     if dtype == torch.float32:
         # fp32 "ieee" products run on FMA units and need many registers: 8 warps and 16-key
         # tiles keep head_dim 128 free of spills (175 registers).
@@ -405,7 +430,7 @@ def balanced_num_programs(num_kv_heads: int, device: torch.device | str, *,
     return max(1, min(MAX_BALANCED_PROGRAMS, num_sms * programs_per_sm // num_kv_heads))
 
 
-SCHEDULES = ("per_request", "balanced")
+SCHEDULES = ("per_request", "balanced", "shared_pages")
 # The per-request plan is kept while its busiest SM has at most 1/0.9 of the average work
 # (H100, bf16 Hq 32 Hkv 8 D 128, fraction of copy, per-request vs balanced: 17x8K 0.83 vs
 # 0.95 (fill 0.69), 40x4K 0.94 vs 0.96 (0.81), 100x4K 0.95 vs 0.99 (0.87); 64x4K 0.997 vs
