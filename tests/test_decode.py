@@ -283,7 +283,7 @@ def test_pick_decode_config():
     assert pick(133) == pick(198) == pick(199) == pick(396) == three
     assert pick(397) == pick(2048) == two == pick_decode_config(128, torch.float16, 16)
     # many programs per SM, small query groups: 8 small programs per SM
-    small = DECODE_VARIANTS["n16_w2_s5"]
+    small = DECODE_VARIANTS["n16_w1_s5"]
     grouped = lambda work, group, **kw: pick_decode_config(128, torch.bfloat16, 16, work=work, num_sms=132,  # noqa: E731
                                                            group_size=group, **kw)
     assert grouped(990, 4) == grouped(2048, 1) == small and small.programs_per_sm == 8
@@ -307,7 +307,7 @@ def test_pick_decode_config_shared_pages():
     assert sub.subtiles == 2 and sub.block_n // sub.subtiles == 16
     assert pick(99) == pick(128) == pick(2048, group=1) == pick(4096, dtype=torch.float16) == sub
     assert pick(98) == pick(98, shared=False)  # below 3/4 pair per SM the default's splits do as well
-    assert pick(2048, shared=False) == DECODE_VARIANTS["n16_w2_s5"]
+    assert pick(2048, shared=False) == DECODE_VARIANTS["n16_w1_s5"]
     assert pick(512, group=8) == pick(512, group=8, shared=False)
     assert pick(512, head_dim=64) == pick(512, head_dim=64, shared=False)
     assert pick(512, dtype=torch.float32) == pick(512, dtype=torch.float32, shared=False)

@@ -265,7 +265,8 @@ class DecodeConfig:
 # 1 program per SM, two 64 KiB K+V tiles in flight; n128_w4_s3 235 registers, 73 KiB ->
 # 2 programs per SM (registers), one 64 KiB tile each; n64_w4_s5 144 registers, 70 KiB ->
 # 3 programs per SM, two 32 KiB tiles each; n16_w2_s5 128 registers, 21 KiB -> 8 programs
-# of 2 warps per SM, two 8 KiB tiles each. ``programs_per_sm`` is that residency.
+# of 2 warps per SM, two 8 KiB tiles each; n16_w1_s5 198 registers, 20 KiB -> 10 programs
+# of one warp (its split plan keeps 8). ``programs_per_sm`` is that residency.
 DECODE_VARIANTS: dict[str, DecodeConfig] = {
     "n128_w4_s5": DecodeConfig(block_n=128, num_warps=4, num_stages=5, programs_per_sm=1),
     "n128_w4_s3": DecodeConfig(block_n=128, num_warps=4, num_stages=3, programs_per_sm=2),
@@ -275,6 +276,9 @@ DECODE_VARIANTS: dict[str, DecodeConfig] = {
     # decode_kernel): the "shared_pages" schedule's tiles. programs_per_sm 4 sets its split
     # plan: (16, 65536, 1024) over shared pages was fastest at 4 splits (128 pairs).
     "n32_w2_s5_x2": DecodeConfig(block_n=32, num_warps=2, num_stages=5, programs_per_sm=4, subtiles=2),
+    # One warp per 16-key tile: no row max, sum or probability crosses warps. The rule's
+    # pick for many short rows (pick_decode_config).
+    "n16_w1_s5": DecodeConfig(block_n=16, num_warps=1, num_stages=5, programs_per_sm=8),
 }
 
 MAX_SPLITS = 256
@@ -308,7 +312,11 @@ def pick_decode_config(head_dim: int, dtype: torch.dtype, page_size: int, *, wor
     Hkv 8: cascades at (256, 4096, 160) 118 -> 88 us, (512, 1024, 64) 124 -> 86,
     (128, 4096, 160) 67 -> 54; (128, 32768, 512) 200 -> 204; below that work,
     (64, 8192, 256), it lost: 51 -> 59). Other group sizes and head dims keep the rule
-    above until measured.
+    above until measured. Those shapes now take n16_w1_s5, the same tiles on one warp
+    each, whose softmax never crosses warps (H200, 2026-11-28: the cascade's decode level
+    alone 42.4 / 68.7 / 40.8 us against 44.5 / 70.4 / 42.2 at (256, 4096, 144 / 256) and
+    (512, 1024, 64), the cascade 82.2 / 84.9 / 69.5 against 81.2 / 102 / 71.3; plain
+    decode of 128 x 8K and 256 x 4K 962 / 966 against 973 / 977).
 
     ``shared_pages`` (the ``"shared_pages"`` schedule: the requests' page lists share most
     of their pages): n32_w2_s5_x2, two 16-key sub-tiles per tile with a warp and a softmax
@@ -337,7 +345,7 @@ def pick_decode_config(head_dim: int, dtype: torch.dtype, page_size: int, *, wor
         return DecodeConfig(block_n=32, num_warps=8, num_stages=5)
     one, two, three = DECODE_VARIANTS["n128_w4_s5"], DECODE_VARIANTS["n128_w4_s3"], DECODE_VARIANTS["n64_w4_s5"]
     if work is not None and group_size is not None and group_size <= 4 and block_d == 128 and 2 * work >= 15 * num_sms:
-        return DECODE_VARIANTS["n16_w2_s5"]
+        return DECODE_VARIANTS["n16_w1_s5"]
     if work is None or work > 3 * num_sms:
         return two
     if work > num_sms:
