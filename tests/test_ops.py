@@ -46,14 +46,19 @@ def test_op_matches_function(device):
     torch.testing.assert_close(lse, lse_ref)
 
 
-def test_cascade_run_compiles_fullgraph(device):
+@pytest.mark.parametrize("use_cascade", [True, False])
+def test_cascade_run_compiles_fullgraph(device, use_cascade):
+    """Both plans compile: the cascade, and flat decode over the shared page (its decode op
+    carries the "shared_pages" schedule)."""
     q, cache, kv_indptr, kv_indices, kv_last = small_batch(device)
     attn = MultiLevelCascadeAttention(2, device=device)
     attn.plan([torch.tensor([0, 2], **I32), torch.tensor([0, 1, 2], **I32)],
               [torch.tensor([0, 1], **I32), torch.tensor([0, 1, 2], **I32)],
               [torch.tensor([7], **I32), torch.tensor([1, 6], **I32)],
               [torch.tensor([4], **I32), torch.tensor([3, 4], **I32)],
-              4, 2, 16, 4, use_cascade=True)
+              4, 2, 16, 4, use_cascade=use_cascade)
+    if not use_cascade:
+        assert attn._flat.schedule == "shared_pages"
 
     def layer(x, kv):
         return attn.run(x * 2, kv, return_lse=True, sm_scale=0.3)
