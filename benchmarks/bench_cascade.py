@@ -6,7 +6,7 @@ Run from the repository root on a GPU machine:
     python -m benchmarks.bench_cascade                      # --bar and --generality
     python -m benchmarks.bench_cascade --bar                # the four bar shapes only
     python -m benchmarks.bench_cascade --generality         # Hkv 1/32 and head_dim 64/256 only
-    python -m benchmarks.bench_cascade --grid --quick       # planner check + speedup plot, a subset
+    python -m benchmarks.bench_cascade --grid --quick --plot PNG  # planner check + speedup plot, a subset
     python -m benchmarks.bench_cascade --grid --hkv 8       # the full grid, one Hkv per device call
     python -m benchmarks.bench_cascade --smoke              # tiny shapes; runs on a CPU (no timing claims)
 
@@ -46,7 +46,7 @@ both ceilings measured in this run; bytes = the unique K/V (prefix once + every 
 
 Markdown tables go to stdout (for benchmarks/RESULTS.md), JSON with every row and the
 environment to --json PATH, and for --grid a plot of the cascade speedup over
-flat decode against prefix length to --plot PNG (when matplotlib imports).
+flat decode against prefix length to --plot PNG, when given (and matplotlib imports).
 """
 
 from __future__ import annotations
@@ -477,11 +477,13 @@ def main() -> None:
     ap.add_argument("--no-peers", action="store_true", help="ours only (no FlashInfer, no SDPA)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes; runs on a CPU")
     ap.add_argument("--plot-from", metavar="JSON", help="only draw the grid plot from an earlier bench_cascade.json")
-    ap.add_argument("--plot", metavar="PNG", default="cascade_speedup.png",
-                    help="with --grid or --plot-from: where to draw the grid plot")
+    ap.add_argument("--plot", metavar="PNG",
+                    help="with --grid or --plot-from: where to draw the grid plot (none without it)")
     ap.add_argument("--json", metavar="PATH", help="write the results and the environment here as JSON")
     args = ap.parse_args()
     if args.plot_from:
+        if not args.plot:
+            ap.error("--plot-from needs --plot PNG")
         with open(args.plot_from) as f:
             rows = [r for r in json.load(f)["rows"] if r.get("section") == "grid"]
         plot_grid(rows, args.plot)
@@ -552,7 +554,8 @@ def main() -> None:
             f"{len(checked)} PASS" + (": FAIL at " + "; ".join(
                 f"batch {r['batch']} prefix {r['prefix']} suffix {r['suffix']} Hkv {r['hkv']} "
                 f"({r['pick']}, {r['planner_over_best']:.2f}x)" for r in fails) if fails else ""))
-        plot_grid(rows, args.plot)
+        if args.plot:
+            plot_grid(rows, args.plot)
     planner_rows = [r for r in all_rows if r.get("planner_check")]
     passed = sum(r["planner_check"] == "PASS" for r in planner_rows)
     log(f"\n# planner check overall: {passed}/{len(planner_rows)} PASS; total {time.perf_counter() - t_start:.0f} s")
