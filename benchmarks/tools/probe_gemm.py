@@ -48,6 +48,30 @@ SPLITS = (1, 2, 4)
 
 
 @triton.jit
+def _tile_and_split(M, k_per_split, BM: tl.constexpr):
+    """(row tile, column tile, first k) of this program. The m tiles of one weight tile
+    are neighbours in launch order: the weight tile is read from memory once and from L2
+    by the other row tiles."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BM)
+    return pid % num_m, pid // num_m, tl.program_id(1) * k_per_split
+
+
+@triton.jit
+def _store_tile(c_ptr, acc, pid_m, pid_n, M, N, stride_cs, stride_cm,
+                BM: tl.constexpr, BN: tl.constexpr, PARTIAL: tl.constexpr):
+    """acc into out (cast to its dtype) or, with PARTIAL, into this split's float32 slice."""
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    c_offs = tl.program_id(1).to(tl.int64) * stride_cs + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    if PARTIAL:
+        tl.store(c_ptr + c_offs, acc, mask=mask)
+    else:
+        tl.store(c_ptr + c_offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _linear_kernel(
     a_ptr,  # [M, K] activations, K contiguous
     b_ptr,  # [N, K] weight (F.linear layout), K contiguous
@@ -57,14 +81,7 @@ def _linear_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
     PARTIAL: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    split = tl.program_id(1)
-    num_m = tl.cdiv(M, BM)
-    # The m tiles of one weight tile are neighbours in launch order: the weight tile is
-    # read from memory once and from L2 by the other row tiles.
-    pid_m = pid % num_m
-    pid_n = pid // num_m
-    k0 = split * k_per_split
+    pid_m, pid_n, k0 = _tile_and_split(M, k_per_split, BM)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_k = tl.arange(0, BK)
@@ -77,12 +94,7 @@ def _linear_kernel(
         acc = tl.dot(a, tl.trans(b), acc)
         a_ptrs += BK
         b_ptrs += BK
-    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    c_offs = split.to(tl.int64) * stride_cs + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
-    if PARTIAL:
-        tl.store(c_ptr + c_offs, acc, mask=mask)
-    else:
-        tl.store(c_ptr + c_offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+    _store_tile(c_ptr, acc, pid_m, pid_n, M, N, stride_cs, stride_cm, BM, BN, PARTIAL)
 
 
 @triton.jit
@@ -92,25 +104,13 @@ def _linear_tma_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
     PARTIAL: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    split = tl.program_id(1)
-    num_m = tl.cdiv(M, BM)
-    pid_m = pid % num_m
-    pid_n = pid // num_m
-    k0 = split * k_per_split
+    pid_m, pid_n, k0 = _tile_and_split(M, k_per_split, BM)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k in tl.range(0, k_per_split, BK, num_stages=STAGES):
         a = a_desc.load([pid_m * BM, k0 + k])
         b = b_desc.load([pid_n * BN, k0 + k])
         acc = tl.dot(a, b.T, acc)
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    c_offs = split.to(tl.int64) * stride_cs + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
-    if PARTIAL:
-        tl.store(c_ptr + c_offs, acc, mask=mask)
-    else:
-        tl.store(c_ptr + c_offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+    _store_tile(c_ptr, acc, pid_m, pid_n, M, N, stride_cs, stride_cm, BM, BN, PARTIAL)
 
 
 @triton.jit
