@@ -19,6 +19,7 @@ from cascadeinfer.kernels.policy import (
     pick_decode_config,
 )
 from cascadeinfer.kernels.reference import attention_state_ref
+from cascadeinfer.layouts.indptr import indptr_from_lengths
 from cascadeinfer.layouts.paged_cache import gather_paged_kv, unpack_paged_kv_cache
 
 # (atol, rtol) on o; fp32 products are exact fp32 (input_precision="ieee"), 16-bit ones
@@ -334,8 +335,7 @@ def test_subtiles_share_prefix_pages(device, num_splits):
     prefix = indices[indptr[2]:indptr[2] + 2].clone()  # two pages every non-empty row starts with
     rows = [indices[indptr[b]:indptr[b + 1]] for b in range(len(lens))]
     rows = [r if r.numel() == 0 else torch.cat([prefix, r[2:] if b == 2 else r]) for b, r in enumerate(rows)]
-    new_lens = [0 if r.numel() == 0 else r.numel() for r in rows]
-    indptr = torch.tensor([0, *torch.tensor(new_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    indptr = indptr_from_lengths([r.numel() for r in rows], device=device)
     indices = torch.cat(rows).to(torch.int32)
     out, lse = poisoned(q)
     o, s = decode_mod.decode_with_config(

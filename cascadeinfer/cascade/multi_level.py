@@ -412,8 +412,8 @@ class MultiLevelCascadeAttention:
             dev_level.schedule = pick_decode_schedule(
                 host_level.num_groups, num_kv_heads, self.device, head_dim=head_dim, dtype=dtype,
                 seq_lens=host_level.keys)
-            shared = any(lv.num_groups < levels[-1].num_groups for lv in levels[:-1])
-            if not self.use_cascade and shared and dev_level.schedule == "per_request":
+            if (not self.use_cascade and dev_level.schedule == "per_request"
+                    and any(lv.num_groups < levels[-1].num_groups for lv in levels[:-1])):
                 # Flat over levels whose groups hold several rows: the rows re-read those
                 # pages, which L2 serves (batch_decode_paged's "shared_pages" tiles).
                 dev_level.schedule = "shared_pages"
