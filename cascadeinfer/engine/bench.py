@@ -542,8 +542,10 @@ def hf_run(mc: ModelConfig, dtype: torch.dtype, device: torch.device, setting: S
         # are off all the same.
         with torch.inference_mode(False), torch.no_grad():
             model = _hf_model(mc, dtype, device)
+            t0 = time.perf_counter()
             model.generate_batch(setting.warmup_prompts, **kwargs)  # sizes the manager, captures its graphs
             _sync(device)
+            print(f"# transformers generate_batch: warm-up took {time.perf_counter() - t0:.1f} s", flush=True)
             t0 = time.perf_counter()
             out = model.generate_batch(setting.prompts, **kwargs)
             _sync(device)
@@ -736,6 +738,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
+    def write_json(rows: list[dict], rel: dict) -> None:
+        if not args.json:
+            return
+        payload = {"environment": env, "workload": info, "check": check,
+                   "ceilings": {"copy_bandwidth_gb_s": ceil.copy_bytes_per_s / 1e9,
+                                "matmul_tflops": ceil.matmul_flops_per_s / 1e12,
+                                "matmul_dtype": str(dtype).removeprefix("torch.")},
+                   "floors": floors, "rows": rows, "ratios": rel}
+        with open(args.json, "w") as f:
+            json.dump(payload, f, indent=1)
+
     rows: list[dict] = []
     llm = None
     for mode in modes:
@@ -760,6 +773,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             llm = llm if llm is not None else build()
             row = engine_run(llm, mode, setting, device)
         rows.append(row)
+        write_json(rows, ratios(rows))  # each finished mode is kept, should a later one not finish
         if "error" in row:
             print(f"# {row['engine']}: {row['error']}", flush=True)
             continue
@@ -788,14 +802,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     rel = ratios(rows)
     if rel:
         print("\n" + "; ".join(f"{k}: {v:.2f}x" for k, v in rel.items()))
-    if args.json:
-        payload = {"environment": env, "workload": info, "check": check,
-                   "ceilings": {"copy_bandwidth_gb_s": ceil.copy_bytes_per_s / 1e9,
-                                "matmul_tflops": ceil.matmul_flops_per_s / 1e12,
-                                "matmul_dtype": str(dtype).removeprefix("torch.")},
-                   "floors": floors, "rows": rows, "ratios": rel}
-        with open(args.json, "w") as f:
-            json.dump(payload, f, indent=1)
+    write_json(rows, rel)
     if llm is not None:  # the results are out first: stopping workers is the last thing
         llm.close()
     return 0
