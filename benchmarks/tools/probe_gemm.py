@@ -3,6 +3,7 @@
     python -m benchmarks.tools.probe_gemm                       # Llama-3-8B shapes, 256 tokens
     python -m benchmarks.tools.probe_gemm --tokens 64 128 256 --json PATH
     python -m benchmarks.tools.probe_gemm --triton --json PATH  # Triton tiles and K splits beside cuBLAS
+    python -m benchmarks.tools.probe_gemm --head --json PATH    # the LM head written five ways
 
 A full-batch decode step of the engine spends most of its time in ``F.linear`` with a
 few hundred rows against each weight matrix: the weights are read once, so each GEMM's
@@ -12,7 +13,11 @@ floor is its bytes over the copy bandwidth. For every projection of a Llama-3-8B
 rotated past L2, beside the floor; then the whole step's GEMM time (32 layers plus the
 head) per library. With ``--triton`` it sweeps a Triton GEMM instead (pointer loads or TMA
 descriptors, ``TRITON_CONFIGS`` tiles, K split 1/2/4 ways and summed by a second kernel)
-and prints the best config per GEMM beside cuBLAS; every timing goes to the JSON.
+and prints the best config per GEMM beside cuBLAS; every timing goes to the JSON. With
+``--head`` it times the LM head (the one GEMM whose output, [tokens, vocab], is larger than
+its input) in the forms an engine may write it: into a given buffer as the engine does,
+allocating, with the operands swapped (logits transposed), in vocabulary chunks, and
+through cuBLASLt.
 """
 
 from __future__ import annotations
@@ -222,16 +227,67 @@ def time_linear(tokens: int, k: int, n: int, library: str) -> float:
     return bench_rotating(fns)
 
 
+def head_forms(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, chunks: int = 4) -> dict:
+    """Callables computing ``x @ w.T`` (or its transpose) in each form, keyed by name."""
+    n = w.shape[0]
+    out_t = torch.empty(n, x.shape[0], device=x.device, dtype=x.dtype)
+    bounds = [n * i // chunks for i in range(chunks + 1)]
+
+    def chunked():
+        for a, b in zip(bounds, bounds[1:]):
+            torch.mm(x, w[a:b].t(), out=out[:, a:b])
+
+    return {"mm into out": lambda: torch.mm(x, w.t(), out=out),
+            "F.linear": lambda: F.linear(x, w),
+            "mm swapped (w @ x.T) into out_t": lambda: torch.mm(w, x.t(), out=out_t),
+            f"mm in {chunks} vocab chunks into out": chunked}
+
+
+def time_head(tokens: int, copy_bw: float, mm_rate: float) -> list[dict]:
+    """The LM head of Llama-3-8B in each of :func:`head_forms`, cuBLAS and cuBLASLt."""
+    _, k, n, _ = LLAMA3_8B[-1]
+    floor = roofline_floor(2 * (n * k + tokens * k + tokens * n), 2 * tokens * n * k, copy_bw, mm_rate)
+    copies = rotation_count(n * k * 2)
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
+    outs = [torch.empty(tokens, n, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+    ref = F.linear(x.float(), ws[0].float())
+    rows = []
+    for lib in LIBRARIES:
+        torch.backends.cuda.preferred_blas_library(lib)
+        forms = [head_forms(x, w, o) for w, o in zip(ws, outs)]
+        for name in forms[0]:
+            outs[0].zero_()
+            got = forms[0][name]()
+            got = outs[0] if got is None else got
+            got = got.t() if got.shape[0] == n else got
+            err = (got.float() - ref).abs().max().item()
+            if err > 0.05 * ref.abs().max().item():
+                raise AssertionError(f"head {name} ({lib}): max error {err}")
+            t = bench_rotating([f[name] for f in forms])
+            rows.append({"tokens": tokens, "library": lib, "form": name, "floor us": round(floor * 1e6, 1),
+                         "us": round(t * 1e6, 1), "of floor": round(floor / t, 2)})
+            print(rows[-1], flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", nargs="*", type=int, default=[256])
     ap.add_argument("--triton", action="store_true", help="sweep Triton tile configs and K splits beside cuBLAS")
     ap.add_argument("--json", metavar="PATH", help="write the results and the environment here as JSON")
+    ap.add_argument("--head", action="store_true", help="time the LM head in several forms")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA device")
     default = torch.backends.cuda.preferred_blas_library()
     copy_bw, mm_rate = measure_ceilings()
+    if args.head:
+        rows = [r for tokens in args.tokens for r in time_head(tokens, copy_bw, mm_rate)]
+        torch.backends.cuda.preferred_blas_library(default)
+        print(markdown_table(rows, list(rows[0])))
+        write_json(args.json, {"environment": environment(), "copy_bw": copy_bw, "mm_rate": mm_rate, "rows": rows})
+        return
     if args.triton:
         rows, every = [], []
         for tokens in args.tokens:
