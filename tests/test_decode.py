@@ -248,6 +248,19 @@ def test_decode_variants(device, name):
                    dtype=torch.bfloat16, seed=24)
 
 
+@pytest.mark.parametrize("shared_pages", [False, True])
+def test_head_dim_256_tiles(device, shared_pages):
+    """head_dim 256 with the plain rule's tiles (8 warps over 32 keys) and the
+    "shared_pages" schedule's (one warp per 16 keys, spilling a little on sm_90a),
+    unsplit and split 3 ways."""
+    cfg = pick_decode_config(256, torch.bfloat16, 16, work=1024, num_sms=132, group_size=4,
+                             shared_pages=shared_pages)
+    assert (cfg == DECODE_VARIANTS["n16_w1_s5_p4"]) == shared_pages
+    for splits in (1, 3):
+        run_config(device, cfg, num_splits=splits, lens=[0, 70, 33], hq=8, hkv=2, head_dim=256,
+                   dtype=torch.bfloat16, seed=31)
+
+
 def test_decode_config_rejects_bad_values():
     for bad in (dict(block_n=48), dict(num_warps=3), dict(num_stages=0), dict(programs_per_sm=0), dict(min_tokens=0)):
         with pytest.raises(ValueError):
@@ -299,7 +312,8 @@ def test_pick_decode_config():
 
 def test_pick_decode_config_shared_pages():
     """Page lists that share their pages: the sub-tiled tiles from 3/4 pair per SM up,
-    16-bit, head_dim 65-128, groups of at most 4; the plain rule everywhere else."""
+    16-bit, head_dim 65-128, groups of at most 4 (one-warp tiles at head_dim 256); the
+    plain rule everywhere else."""
     def pick(work, group=4, dtype=torch.bfloat16, head_dim=128, shared=True):
         return pick_decode_config(head_dim, dtype, 16, work=work, num_sms=132, group_size=group,
                                   shared_pages=shared)
@@ -311,6 +325,12 @@ def test_pick_decode_config_shared_pages():
     assert pick(2048, shared=False) == DECODE_VARIANTS["n16_w1_s5"]
     assert pick(512, group=8) == pick(512, group=8, shared=False)
     assert pick(512, head_dim=64) == pick(512, head_dim=64, shared=False)
+    one_warp = DECODE_VARIANTS["n16_w1_s5_p4"]
+    assert pick(99, head_dim=256) == pick(1024, head_dim=256) == one_warp and one_warp.num_warps == 1
+    assert pick(98, head_dim=256) == pick(98, head_dim=256, shared=False)
+    assert pick(1024, head_dim=256, group=8) == pick(1024, head_dim=256, shared=False)
+    # 128 pairs x 4 splits: (16, 65536, 1024)'s best split count at head_dim 256 too
+    assert decode_num_splits(16, 8, "cpu", programs_per_sm=one_warp.programs_per_sm) == 4
     assert pick(512, dtype=torch.float32) == pick(512, dtype=torch.float32, shared=False)
     # 128 pairs x 4 splits at 4 programs per SM: (16, 65536, 1024)'s best split count
     assert decode_num_splits(16, 8, "cpu", programs_per_sm=sub.programs_per_sm) == 4

@@ -1,6 +1,7 @@
 """Flat decode where requests share their prefix pages: which launch reads them fastest?
 
     python -m benchmarks.tools.probe_flat_shared [--rep-ms MS] [--json PATH]
+    python -m benchmarks.tools.probe_flat_shared --head-dim 256 --configs n32_w4_s3 n16_w2_s5 --splits 1 4
 
 The cascade planner falls back to flat decode (``batch_decode_paged`` over each request's
 whole page list). Where requests share a prefix their page lists repeat the same pages,
@@ -12,12 +13,15 @@ decode variant x split count, the "shared_pages" schedule (what the cascade plan
 fallback runs) and the balanced schedule. CUDA-graph replays over rotated
 pools; every answer is checked against the default's first. (A program order with
 requests before splits was measured too and not kept: benchmarks/NOTES.md, "Flat decode
-over shared prefixes".)
+over shared prefixes".) ``--head-dim`` changes D; ``--configs`` adds launch configs
+that are not variants, named ``n<keys>_w<warps>_s<stages>[_x<sub-tiles>]``. FlashInfer's
+row needs its prebuilt kernels (head_dim 128).
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 
 import torch
 
@@ -41,7 +45,7 @@ from benchmarks.fixtures import (
 )
 from cascadeinfer import batch_decode_paged
 from cascadeinfer.kernels import decode as decode_mod
-from cascadeinfer.kernels.policy import DECODE_VARIANTS
+from cascadeinfer.kernels.policy import DECODE_VARIANTS, DecodeConfig
 
 SHAPES = (*BAR_SHAPES, (4, 16384, 16384), *SHORT_PREFIX_SHAPES)
 SPLITS = (1, 2, 4, 8, 16)
@@ -49,7 +53,7 @@ MAX_PROGRAMS = 4096
 
 
 def shape_rows(s: Shape, fi, copy_bw: float, device: torch.device, rep_ms: int,
-               variants=tuple(DECODE_VARIANTS), splits_list=SPLITS) -> list[dict]:
+               variants=tuple(DECODE_VARIANTS), splits_list=SPLITS, configs=()) -> list[dict]:
     wl = Workload(s, device, seed=0, min_pool_bytes=MIN_POOL_BYTES, max_rot=MAX_ROTATIONS)
     outs, lses = wl.out_buffers()
     tables = (wl.flat_indptr, wl.flat_indices, wl.flat_last)
@@ -74,12 +78,12 @@ def shape_rows(s: Shape, fi, copy_bw: float, device: torch.device, rep_ms: int,
     label = f"({s.batch}, {s.prefix}, {s.suffix})"
     unique_us = s.kv_bytes / copy_bw * 1e6
     rows = [dict(shape=label, launch="ours, as picked", us=base_us)]
-    fi_method = fi_flat(fi, wl) if fi is not None else None
+    fi_method = fi_flat(fi, wl) if fi is not None and s.head_dim == 128 else None
     if fi_method is not None:
         fi_us = bench_rotating([fi_method.call(i) for i in range(wl.rot)], rep_ms=rep_ms) * 1e6
         rows.append(dict(shape=label, launch="FlashInfer flat (tensor cores)", us=fi_us))
-    for name in variants:
-        cfg = DECODE_VARIANTS[name]
+    for name in (*variants, *configs):
+        cfg = DECODE_VARIANTS[name] if name in DECODE_VARIANTS else parse_config(name)
         for splits in splits_list:
             if s.batch * s.hkv * splits > MAX_PROGRAMS:
                 continue
@@ -99,6 +103,15 @@ def shape_rows(s: Shape, fi, copy_bw: float, device: torch.device, rep_ms: int,
     return rows
 
 
+def parse_config(name: str) -> DecodeConfig:
+    """``n<keys>_w<warps>_s<stages>[_x<sub-tiles>]`` as a :class:`DecodeConfig`."""
+    m = re.fullmatch(r"n(\d+)_w(\d+)_s(\d+)(?:_x(\d+))?", name)
+    if m is None:
+        raise ValueError(f"config {name!r}: expected n<keys>_w<warps>_s<stages>[_x<sub-tiles>]")
+    n, w, st, x = m.groups()
+    return DecodeConfig(block_n=int(n), num_warps=int(w), num_stages=int(st), subtiles=int(x or 1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rep-ms", type=int, default=50)
@@ -106,15 +119,20 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="*", help="only these shapes, as batch,prefix,suffix")
     ap.add_argument("--variants", nargs="*", default=list(DECODE_VARIANTS), choices=list(DECODE_VARIANTS))
     ap.add_argument("--splits", nargs="*", type=int, default=list(SPLITS))
+    ap.add_argument("--configs", nargs="*", default=[], help="more launch configs, n<keys>_w<warps>_s<stages>[_x<k>]")
+    ap.add_argument("--head-dim", type=int, default=128)
     args = ap.parse_args()
     shapes = [tuple(int(v) for v in x.split(",")) for x in args.shapes] if args.shapes else SHAPES
+    for c in args.configs:
+        parse_config(c)  # a misspelt config fails here, before the GPU work
     device = gpu_start("probe_flat_shared")
     env = environment()
     fi = load_flashinfer()
     copy_bw, _ = measure_ceilings()
     rows = []
     for b, p, sfx in shapes:
-        rows += shape_rows(Shape(b, p, sfx), fi, copy_bw, device, args.rep_ms, args.variants, args.splits)
+        rows += shape_rows(Shape(b, p, sfx, head_dim=args.head_dim), fi, copy_bw, device, args.rep_ms,
+                           args.variants, args.splits, args.configs)
         print(markdown_table([r for r in rows if r["shape"] == rows[-1]["shape"]],
                              ["shape", "launch", "us", "over_best_ours", "unique_bytes_us"]), flush=True)
     write_json(args.json, dict(env=env, copy_Bps=copy_bw, rows=rows))

@@ -14,7 +14,8 @@ schedules of the same math.
   kernel's own work per key is the limit, not memory: each 32-key tile is cut into two
   16-key sub-tiles with a softmax state each, one per warp, so no tile exchanges row
   maxima, sums or probabilities between warps (``SUBTILES`` in
-  :mod:`cascadeinfer.kernels.decode_kernel`). Reading from HBM the default tiles are as
+  :mod:`cascadeinfer.kernels.decode_kernel`); at head_dim 256, whose sub-tiles would
+  spill, 16-key tiles on one warp each. Reading from HBM the default tiles are as
   fast or faster, so nothing picks this schedule from shapes; a caller that knows its
   requests share pages (the cascade planner's flat fallback) asks for it.
 

@@ -279,6 +279,10 @@ DECODE_VARIANTS: dict[str, DecodeConfig] = {
     # One warp per 16-key tile: no row max, sum or probability crosses warps. The rule's
     # pick for many short rows (pick_decode_config).
     "n16_w1_s5": DecodeConfig(block_n=16, num_warps=1, num_stages=5, programs_per_sm=8),
+    # The same one-warp tiles with the split plan of 4 programs per SM: the "shared_pages"
+    # schedule's tiles at head_dim 256 (sm_90a: 255 registers, 228 bytes spilled, 40 KiB),
+    # where (16, 65536, 1024) over shared pages was fastest at 4 splits (128 pairs).
+    "n16_w1_s5_p4": DecodeConfig(block_n=16, num_warps=1, num_stages=5, programs_per_sm=4),
 }
 
 MAX_SPLITS = 256
@@ -330,12 +334,17 @@ def pick_decode_config(head_dim: int, dtype: torch.dtype, page_size: int, *, wor
     16384, 16384): 103 us, the sub-tiled tiles at their best split count 104; (8, 128,
     2048): 24.8 against 25.6). Reading from HBM
     the sub-tiled tiles lose (a cascade's suffix level at (256, 4096, 144): 69 against 44
-    us), so plain decode keeps the rule above.
+    us), so plain decode keeps the rule above. At head_dim 256 (same conditions otherwise)
+    ``shared_pages`` takes n16_w1_s5_p4, 16-key tiles on one warp each: the default's 8
+    warps over 32 keys exchange every tile's softmax between warps, and sub-tiles of 256
+    dims spill (H100, bf16, Hq 32 / Hkv 8: (64, 8192, 256) 1408 -> 531 us, (256, 4096, 128)
+    2834 -> 1154, (16, 65536, 1024) 2702 -> 1034 at 4 splits, (128, 32768, 512) 10983 ->
+    4375; 2.0-2.2x the head_dim 128 times, as the bytes are).
     """
     block_d = max(16, next_power_of_2(head_dim))
-    if (shared_pages and dtype != torch.float32 and block_d == 128 and group_size is not None
+    if (shared_pages and dtype != torch.float32 and block_d in (128, 256) and group_size is not None
             and group_size <= 4 and work is not None and 4 * work >= 3 * num_sms):
-        return DECODE_VARIANTS["n32_w2_s5_x2"]
+        return DECODE_VARIANTS["n32_w2_s5_x2" if block_d == 128 else "n16_w1_s5_p4"]
     if dtype == torch.float32:
         # fp32 "ieee" products run on FMA units and need many registers: 8 warps and 16-key
         # tiles keep head_dim 128 free of spills (175 registers).
