@@ -26,7 +26,9 @@ What runs, in order:
    runs, untimed, a workload of the same shapes with other tokens: every kernel is
    compiled and every CUDA-graph bucket the timed run uses is captured (the timed run is
    checked to capture none), and nothing it cached can serve the timed prompts. The
-   engine's prefix cache is emptied before the timed run. One engine serves all engine
+   engine's prefix cache is emptied before the timed run (``--hf-warmup-requests N``
+   warms transformers up on the first N of those requests only, where one pass over all
+   of them takes minutes; its row then says so). One engine serves all engine
    modes; it is freed before ``hf`` runs (and built again, the same, for engine modes
    after it), so the order of the modes changes no run's conditions.
 
@@ -94,6 +96,8 @@ def add_bench_args(b: argparse.ArgumentParser) -> None:
                    help="comma list, run in this order, of cascade, flat, auto (the engine), beam (the engine's "
                         "beam search, --beam-width beams a prompt) and hf (transformers)")
     b.add_argument("--beam-width", type=int, default=4, help="beams per prompt in the beam mode")
+    b.add_argument("--hf-warmup-requests", type=int, default=None, metavar="N",
+                   help="warm transformers up on N requests of the workload's shapes (default: all of them)")
     b.add_argument("--pressure", type=float, default=0.5,
                    help="the swap and recompute modes' KV pool, as a fraction of the pages the workload needs")
     b.add_argument("--quick", action="store_true",
@@ -508,13 +512,17 @@ def _hf_batch_config(setting: Setting, llm_kwargs: dict, device: torch.device):
                max_requests_per_batch=llm_kwargs["max_num_seqs"])
 
 
-def hf_run(mc: ModelConfig, dtype: torch.dtype, device: torch.device, setting: Setting, llm_kwargs: dict) -> dict:
+def hf_run(mc: ModelConfig, dtype: torch.dtype, device: torch.device, setting: Setting, llm_kwargs: dict,
+           warmup_requests: int | None = None) -> dict:
     """transformers' continuous batching (``generate_batch``) over the same requests: a
-    persistent manager warmed up on the other-token workload, then the timed call."""
+    persistent manager warmed up on the other-token workload (its first
+    ``warmup_requests`` requests; None: all), then the timed call."""
     import importlib.util  # noqa: PLC0415
     import logging  # noqa: PLC0415
 
-    row = {"engine": "transformers generate_batch", "mode": "hf", "requests": len(setting.prompts)}
+    warmup = setting.warmup_prompts[:warmup_requests] if warmup_requests else setting.warmup_prompts
+    row = {"engine": "transformers generate_batch", "mode": "hf", "requests": len(setting.prompts),
+           "warmup_requests": len(warmup)}
     try:
         import transformers  # noqa: PLC0415
     except ImportError:
@@ -543,7 +551,7 @@ def hf_run(mc: ModelConfig, dtype: torch.dtype, device: torch.device, setting: S
         with torch.inference_mode(False), torch.no_grad():
             model = _hf_model(mc, dtype, device)
             t0 = time.perf_counter()
-            model.generate_batch(setting.warmup_prompts, **kwargs)  # sizes the manager, captures its graphs
+            model.generate_batch(warmup, **kwargs)  # sizes the manager, captures its graphs
             _sync(device)
             print(f"# transformers generate_batch: warm-up took {time.perf_counter() - t0:.1f} s", flush=True)
             t0 = time.perf_counter()
@@ -660,6 +668,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         workload = Workload(args.requests, args.prefix, args.suffix, args.new_tokens)
     except ValueError as exc:
         raise SystemExit(f"--{str(exc).replace('_', '-')}") from None
+    if args.hf_warmup_requests is not None and args.hf_warmup_requests < 1:
+        raise SystemExit(f"--hf-warmup-requests: expected >= 1, got {args.hf_warmup_requests}")
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         raise SystemExit(f"--json: the directory of {args.json!r} does not exist")
     kwargs = engine_kwargs(args)
@@ -755,7 +765,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if mode == "hf":
             llm = None  # the engine's memory goes back before transformers loads its copy
             free_memory()
-            row = hf_run(mc, dtype, device, setting, kwargs)
+            row = hf_run(mc, dtype, device, setting, kwargs, args.hf_warmup_requests)
         elif mode == "beam":
             llm = llm if llm is not None else build()
             row = beam_run(llm, setting, args.beam_width, device)
@@ -790,6 +800,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                      f"{row['preemptions']} preemptions")
         if "prefill_tokens" in row:
             line += f"; prompt tokens computed {row['prefill_tokens']} of {row['prompt_tokens']} submitted"
+        if row.get("warmup_requests", row.get("requests")) != row.get("requests"):
+            line += f"; warmed up on {row['warmup_requests']} of its {row['requests']} requests"
         if row.get("graphs_captured_while_timed"):
             line += f"; WARNING: {row['graphs_captured_while_timed']} CUDA graphs were captured while timed"
         print(line, flush=True)
