@@ -140,8 +140,8 @@ SCHEDULES = pytest.mark.parametrize("schedule,num_splits", [
 ], ids=["one-split", "splits", "balanced"])
 
 
-def decode_case(bad, dtype, device, seed=0):
-    page_size, hkv, group, d = 4, 2, 2, 16
+def decode_case(bad, dtype, device, seed=0, d=16):
+    page_size, hkv, group = 4, 2, 2
     cache, table, lists, spare = paged_case(DECODE_LENS, page_size, hkv, d, dtype, device, seed=seed)
     q = torch.randn((len(DECODE_LENS), hkv * group, d), generator=torch.Generator().manual_seed(seed + 1))
     q = q.to(device, dtype)
@@ -206,6 +206,19 @@ def test_decode_subtiles(device, bad, num_splits):
         q, cache, table.kv_indptr, table.kv_indices, table.kv_last_page_len, kv_layout="NHD", sm_scale=None,
         num_splits=num_splits, schedule="per_request", out=None, lse=None, validate=True,
         config=policy.DECODE_VARIANTS["n32_w2_s5_x2"])
+    check(o, lse, *decode_reference(q, cache, table), torch.bfloat16)
+
+
+@GARBAGE
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_one_warp_head_dim_256(device, bad, num_splits):
+    """The "shared_pages" schedule's tiles at head_dim 256 (one warp per 16 keys): garbage
+    poisons exactly the heads it reaches, an empty row stays (0, -inf)."""
+    q, cache, table = decode_case(bad, torch.bfloat16, device, seed=4, d=256)
+    o, lse = decode_with_config(
+        q, cache, table.kv_indptr, table.kv_indices, table.kv_last_page_len, kv_layout="NHD", sm_scale=None,
+        num_splits=num_splits, schedule="per_request", out=None, lse=None, validate=True,
+        config=policy.DECODE_VARIANTS["n16_w1_s5_p4"])
     check(o, lse, *decode_reference(q, cache, table), torch.bfloat16)
 
 
