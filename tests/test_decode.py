@@ -261,6 +261,19 @@ def test_head_dim_256_tiles(device, shared_pages):
                    dtype=torch.bfloat16, seed=31)
 
 
+def test_probe_config_names():
+    """benchmarks/tools/probe_flat_shared's --configs names: keys, warps, stages, sub-tiles."""
+    from benchmarks.tools.probe_flat_shared import parse_config  # noqa: PLC0415
+
+    assert parse_config("n16_w1_s5") == DecodeConfig(block_n=16, num_warps=1, num_stages=5)
+    assert parse_config("n32_w4_s5_x2") == DecodeConfig(block_n=32, num_warps=4, num_stages=5, subtiles=2)
+    for bad in ("n16w1s5", "n16_w1", "x2_n16_w1_s5"):
+        with pytest.raises(ValueError, match="config"):
+            parse_config(bad)
+    with pytest.raises(ValueError, match="block_n"):
+        parse_config("n24_w1_s5")
+
+
 def test_decode_config_rejects_bad_values():
     for bad in (dict(block_n=48), dict(num_warps=3), dict(num_stages=0), dict(programs_per_sm=0), dict(min_tokens=0)):
         with pytest.raises(ValueError):
