@@ -197,28 +197,18 @@ def test_decode_16_bit(device, dtype, schedule, num_splits):
 
 @GARBAGE
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_decode_subtiles(device, bad, num_splits):
-    """The sub-tiled tiles of the "shared_pages" schedule (a softmax state per 16-key
-    sub-tile, folded together after the key loop): garbage poisons exactly the heads it
-    reaches, an empty row stays (0, -inf), even where a sub-tile sees only masked keys."""
-    q, cache, table = decode_case(bad, torch.bfloat16, device, seed=3)
+@pytest.mark.parametrize("variant,head_dim,seed", [("n32_w2_s5_x2", 16, 3), ("n16_w1_s5_p4", 256, 4)],
+                         ids=["subtiles", "one-warp-d256"])
+def test_decode_shared_pages_tiles(device, bad, num_splits, variant, head_dim, seed):
+    """The "shared_pages" schedule's tiles: the sub-tiled ones (a softmax state per 16-key
+    sub-tile, folded together after the key loop) and, at head_dim 256, one warp per 16
+    keys. Garbage poisons exactly the heads it reaches, an empty row stays (0, -inf), even
+    where a sub-tile sees only masked keys."""
+    q, cache, table = decode_case(bad, torch.bfloat16, device, seed=seed, d=head_dim)
     o, lse = decode_with_config(
         q, cache, table.kv_indptr, table.kv_indices, table.kv_last_page_len, kv_layout="NHD", sm_scale=None,
         num_splits=num_splits, schedule="per_request", out=None, lse=None, validate=True,
-        config=policy.DECODE_VARIANTS["n32_w2_s5_x2"])
-    check(o, lse, *decode_reference(q, cache, table), torch.bfloat16)
-
-
-@GARBAGE
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_decode_one_warp_head_dim_256(device, bad, num_splits):
-    """The "shared_pages" schedule's tiles at head_dim 256 (one warp per 16 keys): garbage
-    poisons exactly the heads it reaches, an empty row stays (0, -inf)."""
-    q, cache, table = decode_case(bad, torch.bfloat16, device, seed=4, d=256)
-    o, lse = decode_with_config(
-        q, cache, table.kv_indptr, table.kv_indices, table.kv_last_page_len, kv_layout="NHD", sm_scale=None,
-        num_splits=num_splits, schedule="per_request", out=None, lse=None, validate=True,
-        config=policy.DECODE_VARIANTS["n16_w1_s5_p4"])
+        config=policy.DECODE_VARIANTS[variant])
     check(o, lse, *decode_reference(q, cache, table), torch.bfloat16)
 
 
