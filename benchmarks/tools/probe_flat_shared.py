@@ -53,7 +53,8 @@ MAX_PROGRAMS = 4096
 
 
 def shape_rows(s: Shape, fi, copy_bw: float, device: torch.device, rep_ms: int,
-               variants=tuple(DECODE_VARIANTS), splits_list=SPLITS, configs=(), fi_jit=False) -> list[dict]:
+               variants=tuple(DECODE_VARIANTS), splits_list=SPLITS, configs: dict[str, DecodeConfig] | None = None,
+               fi_jit=False) -> list[dict]:
     wl = Workload(s, device, seed=0, min_pool_bytes=MIN_POOL_BYTES, max_rot=MAX_ROTATIONS)
     outs, lses = wl.out_buffers()
     tables = (wl.flat_indptr, wl.flat_indices, wl.flat_last)
@@ -85,8 +86,8 @@ def shape_rows(s: Shape, fi, copy_bw: float, device: torch.device, rep_ms: int,
             rows.append(dict(shape=label, launch="FlashInfer flat (tensor cores)", us=fi_us))
         except Exception as exc:  # noqa: BLE001 - a peer that cannot build must not lose our rows
             print(f"# FlashInfer flat at {label}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}", flush=True)
-    for name in (*variants, *configs):
-        cfg = DECODE_VARIANTS[name] if name in DECODE_VARIANTS else parse_config(name)
+    launches = {v: DECODE_VARIANTS[v] for v in variants} | (configs or {})
+    for name, cfg in launches.items():
         for splits in splits_list:
             if s.batch * s.hkv * splits > MAX_PROGRAMS:
                 continue
@@ -127,8 +128,7 @@ def main() -> None:
     ap.add_argument("--fi-jit", action="store_true", help="let FlashInfer JIT-compile head dims it does not ship")
     args = ap.parse_args()
     shapes = [tuple(int(v) for v in x.split(",")) for x in args.shapes] if args.shapes else SHAPES
-    for c in args.configs:
-        parse_config(c)  # a misspelt config fails here, before the GPU work
+    configs = {c: parse_config(c) for c in args.configs}  # a misspelt one fails here, before the GPU work
     device = gpu_start("probe_flat_shared")
     env = environment()
     fi = load_flashinfer()
@@ -136,7 +136,7 @@ def main() -> None:
     rows = []
     for b, p, sfx in shapes:
         rows += shape_rows(Shape(b, p, sfx, head_dim=args.head_dim), fi, copy_bw, device, args.rep_ms,
-                           args.variants, args.splits, args.configs, args.fi_jit)
+                           args.variants, args.splits, configs, args.fi_jit)
         print(markdown_table([r for r in rows if r["shape"] == rows[-1]["shape"]],
                              ["shape", "launch", "us", "over_best_ours", "unique_bytes_us"]), flush=True)
     write_json(args.json, dict(env=env, copy_Bps=copy_bw, rows=rows))
