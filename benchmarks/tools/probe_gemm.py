@@ -52,6 +52,24 @@ TRITON_CONFIGS = [(64, 128, 64, 4, 4), (64, 128, 64, 6, 4), (64, 256, 64, 3, 4),
 SPLITS = (1, 2, 4)
 
 
+def operands(tokens: int, k: int, n: int):
+    """``(weights, x, outs, ref)`` for ``x [tokens, k] @ w [n, k].T`` in bf16: weight copies
+    rotated past L2 with an output buffer each, one input, and the float32 answer for
+    the first copy."""
+    copies = rotation_count(n * k * 2)
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
+    outs = [torch.empty(tokens, n, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+    return ws, x, outs, F.linear(x.float(), ws[0].float())
+
+
+def check(got: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    """Raise unless ``got`` is within 5% of ``ref``'s largest magnitude everywhere."""
+    err = (got.float() - ref).abs().max().item()
+    if err > 0.05 * ref.abs().max().item():
+        raise AssertionError(f"{what}: max error {err}")
+
+
 @triton.jit
 def _tile_and_split(M, k_per_split, BM: tl.constexpr):
     """(row tile, column tile, first k) of this program. The m tiles of one weight tile
@@ -163,10 +181,7 @@ def triton_linear_fn(x, w, out, cfg, splits, tma):
 
 def time_triton(tokens: int, k: int, n: int, cfg, splits: int, tma: bool) -> float | None:
     """Seconds per Triton GEMM with ``cfg``/``splits`` (None: the config does not apply or fails)."""
-    copies = rotation_count(n * k * 2)
-    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
-    x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
-    outs = [torch.empty(tokens, n, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+    ws, x, outs, ref = operands(tokens, k, n)
     try:
         fns = [triton_linear_fn(x, w, o, cfg, splits, tma) for w, o in zip(ws, outs)]
         if fns[0] is None:
@@ -176,10 +191,7 @@ def time_triton(tokens: int, k: int, n: int, cfg, splits: int, tma: bool) -> flo
     except Exception as e:  # out of resources for this config
         print("skip", cfg, splits, tma, type(e).__name__, str(e)[:120], flush=True)
         return None
-    ref = F.linear(x.float(), ws[0].float())
-    err = (outs[0].float() - ref).abs().max().item()
-    if err > 0.05 * ref.abs().max().item():
-        raise AssertionError(f"triton {cfg} x{splits} ({tokens}, {k}, {n}): max error {err}")
+    check(outs[0], ref, f"triton {cfg} x{splits} ({tokens}, {k}, {n})")
     return bench_rotating(fns, rep_ms=100)
 
 
@@ -214,16 +226,10 @@ def sweep_triton(tokens, copy_bw, mm_rate):
 def time_linear(tokens: int, k: int, n: int, library: str) -> float:
     """Seconds per ``F.linear(x [tokens, k], w [n, k])`` in bf16 through ``library``."""
     torch.backends.cuda.preferred_blas_library(library)
-    copies = rotation_count(n * k * 2)
-    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
-    x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
-    outs = [torch.empty(tokens, n, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+    ws, x, outs, ref = operands(tokens, k, n)
     fns = [lambda w=w, o=o: torch.matmul(x, w.t(), out=o) for w, o in zip(ws, outs)]
-    ref = F.linear(x.float(), ws[0].float())
     fns[0]()
-    err = (outs[0].float() - ref).abs().max().item()
-    if err > 0.05 * ref.abs().max().item():
-        raise AssertionError(f"{library} ({tokens}, {k}, {n}): max error {err}")
+    check(outs[0], ref, f"{library} ({tokens}, {k}, {n})")
     return bench_rotating(fns)
 
 
@@ -247,11 +253,7 @@ def time_head(tokens: int, copy_bw: float, mm_rate: float) -> list[dict]:
     """The LM head of Llama-3-8B in each of :func:`head_forms`, cuBLAS and cuBLASLt."""
     _, k, n, _ = LLAMA3_8B[-1]
     floor = roofline_floor(2 * (n * k + tokens * k + tokens * n), 2 * tokens * n * k, copy_bw, mm_rate)
-    copies = rotation_count(n * k * 2)
-    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
-    x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
-    outs = [torch.empty(tokens, n, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
-    ref = F.linear(x.float(), ws[0].float())
+    ws, x, outs, ref = operands(tokens, k, n)
     rows = []
     for lib in LIBRARIES:
         torch.backends.cuda.preferred_blas_library(lib)
@@ -261,9 +263,7 @@ def time_head(tokens: int, copy_bw: float, mm_rate: float) -> list[dict]:
             got = forms[0][name]()
             got = outs[0] if got is None else got
             got = got.t() if got.shape[0] == n else got
-            err = (got.float() - ref).abs().max().item()
-            if err > 0.05 * ref.abs().max().item():
-                raise AssertionError(f"head {name} ({lib}): max error {err}")
+            check(got, ref, f"head {name} ({lib})")
             t = bench_rotating([f[name] for f in forms])
             rows.append({"tokens": tokens, "library": lib, "form": name, "floor us": round(floor * 1e6, 1),
                          "us": round(t * 1e6, 1), "of floor": round(floor / t, 2)})
