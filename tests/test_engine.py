@@ -480,8 +480,10 @@ def test_cli_bench_in_either_order(order, device, torch_path, capsys, tmp_path):
 
     out_json = tmp_path / "runs" / "bench.json"
     out_json.parent.mkdir()
-    # the check runs once; transformers warms up on all requests in one order, on two in the other
-    check = [] if order.startswith("cascade") else ["--skip-check", "--hf-warmup-requests", "2"]
+    # the check runs once; transformers warms up on all requests in one order, on two in the
+    # other, where it also takes at most two requests per forward pass
+    check = [] if order.startswith("cascade") else ["--skip-check", "--hf-warmup-requests", "2",
+                                                    "--hf-max-requests", "2"]
     assert main(_BENCH + ["--device", device.type, "--modes", order, "--json", str(out_json)] + check) == 0
     out = capsys.readouterr().out
     assert ("# check: ok" if not check else "# check: skipped") in out
@@ -506,6 +508,8 @@ def test_cli_bench_in_either_order(order, device, torch_path, capsys, tmp_path):
         assert "error" not in hf, hf["error"]
         assert hf["warmup_requests"] == (5 if not check else 2)
         assert ("warmed up on 2 of its 5 requests" in out) == bool(check)
+        assert hf["max_requests_per_batch"] == (2 if check else None)
+        assert ("at most 2 requests per forward pass" in out) == bool(check)
         assert hf["output_tokens"] == 20 and hf["fraction_of_floor"] > 0
     else:
         assert "has no generate_batch" in hf["error"]
@@ -527,8 +531,10 @@ def test_cli_bench_refuses_what_cannot_run(monkeypatch, tmp_path):
         main(_BENCH + ["--device", "cpu", "--json", str(tmp_path / "missing" / "b.json")])
     with pytest.raises(SystemExit, match="--new-tokens"):
         main(_BENCH + ["--device", "cpu", "--new-tokens", "0"])
-    with pytest.raises(SystemExit, match="--hf-warmup-requests"):
+    with pytest.raises(SystemExit, match="--hf-warmup-requests: expected >= 1, got 0"):
         main(_BENCH + ["--device", "cpu", "--hf-warmup-requests", "0"])
+    with pytest.raises(SystemExit, match="--hf-max-requests: expected >= 1, got -3"):
+        main(_BENCH + ["--device", "cpu", "--hf-max-requests", "-3"])
 
 
 @pytest.mark.gpu

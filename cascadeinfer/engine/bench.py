@@ -28,7 +28,8 @@ What runs, in order:
    checked to capture none), and nothing it cached can serve the timed prompts. The
    engine's prefix cache is emptied before the timed run (``--hf-warmup-requests N``
    warms transformers up on the first N of those requests only, where one pass over all
-   of them takes minutes; its row then says so). One engine serves all engine
+   of them takes minutes; its row then says so; ``--hf-max-requests N`` is its
+   ``max_requests_per_batch``). One engine serves all engine
    modes; it is freed before ``hf`` runs (and built again, the same, for engine modes
    after it), so the order of the modes changes no run's conditions.
 
@@ -98,6 +99,9 @@ def add_bench_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--beam-width", type=int, default=4, help="beams per prompt in the beam mode")
     b.add_argument("--hf-warmup-requests", type=int, default=None, metavar="N",
                    help="warm transformers up on N requests of the workload's shapes (default: all of them)")
+    b.add_argument("--hf-max-requests", type=int, default=None, metavar="N",
+                   help="transformers' max_requests_per_batch: at most N requests in one of its forward passes "
+                        "(default: its own choice)")
     b.add_argument("--pressure", type=float, default=0.5,
                    help="the swap and recompute modes' KV pool, as a fraction of the pages the workload needs")
     b.add_argument("--quick", action="store_true",
@@ -498,31 +502,36 @@ def pressure_run(llm, mode: str, setting: Setting, device: torch.device) -> dict
             "prefill_tokens": stats.prefill_tokens, "prompt_tokens": stats.prompt_tokens, "steps": stats.steps}
 
 
-def _hf_batch_config(setting: Setting, llm_kwargs: dict, device: torch.device):
+def _hf_batch_config(setting: Setting, llm_kwargs: dict, device: torch.device, max_requests: int | None = None):
     """transformers' own sizing on a GPU; on a CPU (where it would size its cache from the
-    host's memory) a cache just large enough for the workload."""
+    host's memory) a cache just large enough for the workload. ``max_requests``: its
+    ``max_requests_per_batch`` (None: its own choice on a GPU, the engine's
+    ``max_num_seqs`` on a CPU)."""
     import transformers  # noqa: PLC0415
 
     cls = getattr(transformers, "ContinuousBatchingConfig", None)
-    if cls is None or device.type == "cuda":
+    if cls is None:
         return None
+    if device.type == "cuda":
+        return None if max_requests is None else cls(max_requests_per_batch=max_requests)
     w, page = setting.workload, 16
     blocks = w.requests * -(-(w.prefix + w.suffix + w.new_tokens) // page) + 1
     return cls(page_size=page, num_blocks=blocks, max_batch_tokens=llm_kwargs["max_num_batched_tokens"],
-               max_requests_per_batch=llm_kwargs["max_num_seqs"])
+               max_requests_per_batch=max_requests or llm_kwargs["max_num_seqs"])
 
 
 def hf_run(mc: ModelConfig, dtype: torch.dtype, device: torch.device, setting: Setting, llm_kwargs: dict,
-           warmup_requests: int | None = None) -> dict:
+           warmup_requests: int | None = None, max_requests: int | None = None) -> dict:
     """transformers' continuous batching (``generate_batch``) over the same requests: a
     persistent manager warmed up on the other-token workload (its first
-    ``warmup_requests`` requests; None: all), then the timed call."""
+    ``warmup_requests`` requests; None: all), then the timed call. ``max_requests``: its
+    ``max_requests_per_batch`` (None: its own choice)."""
     import importlib.util  # noqa: PLC0415
     import logging  # noqa: PLC0415
 
     warmup = setting.warmup_prompts[:warmup_requests] if warmup_requests else setting.warmup_prompts
     row = {"engine": "transformers generate_batch", "mode": "hf", "requests": len(setting.prompts),
-           "warmup_requests": len(warmup)}
+           "warmup_requests": len(warmup), "max_requests_per_batch": max_requests}
     try:
         import transformers  # noqa: PLC0415
     except ImportError:
@@ -536,7 +545,7 @@ def hf_run(mc: ModelConfig, dtype: torch.dtype, device: torch.device, setting: S
     new = setting.workload.new_tokens
     gen_config = transformers.GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
     kwargs = {"generation_config": gen_config, "progress_bar": False, "persistent_manager": True}
-    cb_config = _hf_batch_config(setting, llm_kwargs, device)
+    cb_config = _hf_batch_config(setting, llm_kwargs, device, max_requests)
     if cb_config is not None:
         kwargs["continuous_batching_config"] = cb_config
     log = logging.getLogger("ContinuousBatchingLogger")
@@ -668,8 +677,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         workload = Workload(args.requests, args.prefix, args.suffix, args.new_tokens)
     except ValueError as exc:
         raise SystemExit(f"--{str(exc).replace('_', '-')}") from None
-    if args.hf_warmup_requests is not None and args.hf_warmup_requests < 1:
-        raise SystemExit(f"--hf-warmup-requests: expected >= 1, got {args.hf_warmup_requests}")
+    for flag in ("hf_warmup_requests", "hf_max_requests"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise SystemExit(f"--{flag.replace('_', '-')}: expected >= 1, got {getattr(args, flag)}")
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         raise SystemExit(f"--json: the directory of {args.json!r} does not exist")
     kwargs = engine_kwargs(args)
@@ -765,7 +775,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if mode == "hf":
             llm = None  # the engine's memory goes back before transformers loads its copy
             free_memory()
-            row = hf_run(mc, dtype, device, setting, kwargs, args.hf_warmup_requests)
+            row = hf_run(mc, dtype, device, setting, kwargs, args.hf_warmup_requests, args.hf_max_requests)
         elif mode == "beam":
             llm = llm if llm is not None else build()
             row = beam_run(llm, setting, args.beam_width, device)
@@ -802,6 +812,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             line += f"; prompt tokens computed {row['prefill_tokens']} of {row['prompt_tokens']} submitted"
         if row.get("warmup_requests", row.get("requests")) != row.get("requests"):
             line += f"; warmed up on {row['warmup_requests']} of its {row['requests']} requests"
+        if row.get("max_requests_per_batch"):
+            line += f"; at most {row['max_requests_per_batch']} requests per forward pass"
         if row.get("graphs_captured_while_timed"):
             line += f"; WARNING: {row['graphs_captured_while_timed']} CUDA graphs were captured while timed"
         print(line, flush=True)
