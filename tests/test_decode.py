@@ -250,7 +250,7 @@ def test_decode_variants(device, name):
 
 @pytest.mark.parametrize("shared_pages", [False, True])
 def test_head_dim_256_tiles(device, shared_pages):
-    """head_dim 256 with the plain rule's tiles (8 warps over 32 keys) and the
+    """head_dim 256 with the plain rule's tiles (4 warps over 32 keys) and the
     "shared_pages" schedule's (one warp per 16 keys, spilling a little on sm_90a),
     unsplit and split 3 ways."""
     cfg = pick_decode_config(256, torch.bfloat16, 16, work=1024, num_sms=132, group_size=4,
@@ -320,6 +320,10 @@ def test_pick_decode_config():
     # past 1.5 pairs per SM no split, whatever the residency of the config
     assert decode_num_splits(25, 8, "cpu", programs_per_sm=8) == decode_num_splits(256, 8, "cpu") == 1
     assert pick(8, head_dim=256).block_n <= two.block_n
+    # head_dim 256: 32-key tiles on 4 warps, two programs per SM (8 warps fit one)
+    plain = pick(8, head_dim=256)
+    assert (plain.block_n, plain.num_warps, plain.programs_per_sm) == (32, 4, 2) == (
+        pick(2048, head_dim=256).block_n, pick(2048, head_dim=256).num_warps, 2)
     assert pick(8, dtype=torch.float32).num_warps == 8
 
 

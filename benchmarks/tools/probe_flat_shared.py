@@ -14,7 +14,8 @@ fallback runs) and the balanced schedule. CUDA-graph replays over rotated
 pools; every answer is checked against the default's first. (A program order with
 requests before splits was measured too and not kept: benchmarks/NOTES.md, "Flat decode
 over shared prefixes".) ``--head-dim`` changes D; ``--configs`` adds launch configs
-that are not variants, named ``n<keys>_w<warps>_s<stages>[_x<sub-tiles>]``. FlashInfer's
+that are not variants, named ``n<keys>_w<warps>_s<stages>[_x<sub-tiles>]``, each timed under
+the per-request schedule at every split count and under the balanced one. FlashInfer's
 row needs its prebuilt kernels (head_dim 128) unless ``--fi-jit`` lets it compile others.
 """
 
@@ -100,6 +101,10 @@ def shape_rows(s: Shape, fi, copy_bw: float, device: torch.device, rep_ms: int,
     us, answer = timed(variant(None, None, "balanced"))
     torch.testing.assert_close(answer, base, atol=2e-2, rtol=2e-2)
     rows.append(dict(shape=label, launch="balanced schedule", us=us))
+    for name, cfg in (configs or {}).items():  # the balanced schedule on each extra config, its own plan
+        us, answer = timed(variant(cfg, None, "balanced"))
+        torch.testing.assert_close(answer, base, atol=2e-2, rtol=2e-2)
+        rows.append(dict(shape=label, launch=f"{name} balanced", us=us))
     best = min(r["us"] for r in rows if not r["launch"].startswith("FlashInfer"))
     for r in rows:
         r.update(us=round(r["us"], 1), over_best_ours=round(r["us"] / best, 3),

@@ -339,7 +339,12 @@ def pick_decode_config(head_dim: int, dtype: torch.dtype, page_size: int, *, wor
     warps over 32 keys exchange every tile's softmax between warps, and sub-tiles of 256
     dims spill (H100, bf16, Hq 32 / Hkv 8: (64, 8192, 256) 1408 -> 531 us, (256, 4096, 128)
     2834 -> 1154, (16, 65536, 1024) 2702 -> 1034 at 4 splits, (128, 32768, 512) 10983 ->
-    4375; 2.0-2.2x the head_dim 128 times, as the bytes are).
+    4375; 2.0-2.2x the head_dim 128 times, as the bytes are). Plain decode at head_dim
+    256 (fp16/bf16) takes 32-key tiles on 4 warps, 2 programs per SM (H100, bf16, Hq 32 /
+    Hkv 8, flat decode at its default splits, µs: (4, 16384, 16384) 348 -> 237, (8, 128,
+    2048) 60.7 -> 54.4, (16, 16, 8192) 372 -> 361, (64, 16, 4096) 744 -> 715, (256, 16,
+    1024) 803 -> 720; FlashInfer's flat decode 240 / 58.1 / 365 / 717 / 726; the 8-warp
+    tiles it replaces fit one program per SM).
     """
     block_d = max(16, next_power_of_2(head_dim))
     if (shared_pages and dtype != torch.float32 and block_d in (128, 256) and group_size is not None
@@ -350,8 +355,11 @@ def pick_decode_config(head_dim: int, dtype: torch.dtype, page_size: int, *, wor
         # tiles keep head_dim 128 free of spills (175 registers).
         return DecodeConfig(block_n=16, num_warps=8, num_stages=5)
     if block_d >= 256:
-        # twice the bytes per key: half the keys per tile, 8 warps (166 registers, 73 KiB).
-        return DecodeConfig(block_n=32, num_warps=8, num_stages=5)
+        # Twice the bytes per key: half the keys per tile, on 4 warps (sm_90a: 202 registers,
+        # 229 with the in-kernel split merge, no spill, 73 KiB), so 2 programs fit an SM with
+        # two 32 KiB K+V tiles in flight each. On 8 warps (167 registers x 256 threads) only
+        # one fit, half the split plan's residency: 0.64 of the copy bandwidth at 4 x 32K.
+        return DecodeConfig(block_n=32, num_warps=4, num_stages=5)
     one, two, three = DECODE_VARIANTS["n128_w4_s5"], DECODE_VARIANTS["n128_w4_s3"], DECODE_VARIANTS["n64_w4_s5"]
     if work is not None and group_size is not None and group_size <= 4 and block_d == 128 and 2 * work >= 15 * num_sms:
         return DECODE_VARIANTS["n16_w1_s5"]
