@@ -463,6 +463,17 @@ def run_section(title: str, shapes: list[Shape], ceil: Ceilings, *, device, fi, 
     return rows
 
 
+def parse_heads(items: list[str]) -> tuple[tuple[int, int], ...]:
+    """``["8:64", "1:128"]`` as ``((8, 64), (1, 128))``."""
+    heads = []
+    for item in items:
+        hkv, sep, d = item.partition(":")
+        if not (sep and hkv.isdigit() and d.isdigit() and int(hkv) >= 1 and int(d) >= 1):
+            raise SystemExit(f"--heads: expected HKV:HEAD_DIM pairs of positive ints, got {item!r}")
+        heads.append((int(hkv), int(d)))
+    return tuple(heads)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bar", action="store_true", help="the four bar shapes (Hq 32, Hkv 8, D 128)")
@@ -473,6 +484,8 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", help="with --grid: these batch sizes instead of its own")
     ap.add_argument("--prefixes", type=int, nargs="+", help="with --grid: these prefix lengths instead of its own")
     ap.add_argument("--suffixes", type=int, nargs="+", help="with --grid: these suffix lengths instead of its own")
+    ap.add_argument("--heads", nargs="+", metavar="HKV:D",
+                    help="with --generality: only these (Hkv, head_dim) pairs, e.g. 8:64 8:256")
     ap.add_argument("--fi-jit", action="store_true", help="let FlashInfer JIT-compile head dims it does not ship")
     ap.add_argument("--no-peers", action="store_true", help="ours only (no FlashInfer, no SDPA)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes; runs on a CPU")
@@ -510,7 +523,8 @@ def main() -> None:
         bar_shapes, gen_shapes, grid = smoke_shapes()
     else:
         bar_shapes = [Shape(b, p, x, hkv=h, head_dim=d) for h, d in BAR_HEADS for b, p, x in BAR_SHAPES]
-        gen_shapes = [Shape(b, p, x, hkv=h, head_dim=d) for h, d in GENERALITY_HEADS for b, p, x in BAR_SHAPES]
+        heads = parse_heads(args.heads) if args.heads else GENERALITY_HEADS
+        gen_shapes = [Shape(b, p, x, hkv=h, head_dim=d) for h, d in heads for b, p, x in BAR_SHAPES]
         grid = grid_shapes(args.quick, tuple(args.hkv) if args.hkv else None,
                            *(tuple(v) if v else None for v in (args.batches, args.prefixes, args.suffixes))
                            ) if args.grid else []

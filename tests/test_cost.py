@@ -83,3 +83,13 @@ def test_small_batch_over_a_prefix_past_l2_falls_back_to_flat():
     decode measured 121.8 µs against the cascade's 129.7, and the model now says so."""
     cascade, flat = predict(4, 16384, 16384, 32, 8, 128)
     assert flat < cascade
+
+
+def test_bench_cascade_heads_option():
+    """bench_cascade --heads picks (Hkv, head_dim) pairs for --generality and names bad ones."""
+    from benchmarks.bench_cascade import parse_heads  # noqa: PLC0415
+
+    assert parse_heads(["8:64", "1:128"]) == ((8, 64), (1, 128))
+    for bad in ("8", "8:", "0:128", "8:x", "-1:64"):
+        with pytest.raises(SystemExit, match="--heads"):
+            parse_heads([bad])
