@@ -263,8 +263,10 @@ def run_shape(shape: Shape, ceil: Ceilings, *, device, fi, peers: bool, fi_jit: 
     if "planner" in methods and row.get(f"{row['pick']}_us") is not None:
         row["planner_us"] = row[f"{row['pick']}_us"]
         row["planner_frac"] = row[f"{row['pick']}_frac"]
-    del methods
-    del wl
+    # The methods and their builders hold the workload's pools: drop them all before the next shape.
+    methods.clear()
+    builders.clear()
+    wl = None
     free(device)
 
     for name, why in failures.items():
