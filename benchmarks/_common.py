@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import platform
+import re
 import sys
 from collections.abc import Callable, Sequence
 from datetime import date
@@ -20,6 +21,8 @@ from datetime import date
 import torch
 import triton
 import triton.language as tl
+
+from cascadeinfer.kernels.policy import DecodeConfig
 
 L2_BYTES = 50 * 2**20  # H100; the rotation sizes below keep several times this in flight
 
@@ -141,3 +144,12 @@ def gpu_start(tool: str) -> torch.device:
         sys.exit(f"{tool} needs a CUDA device")
     print("#", environment(), flush=True)
     return torch.device("cuda", torch.cuda.current_device())
+
+
+def parse_config(name: str) -> DecodeConfig:
+    """``n<keys>_w<warps>_s<stages>[_x<sub-tiles>]`` as a :class:`DecodeConfig`."""
+    m = re.fullmatch(r"n(\d+)_w(\d+)_s(\d+)(?:_x(\d+))?", name)
+    if m is None:
+        raise ValueError(f"config {name!r}: expected n<keys>_w<warps>_s<stages>[_x<sub-tiles>]")
+    n, w, st, x = m.groups()
+    return DecodeConfig(block_n=int(n), num_warps=int(w), num_stages=int(st), subtiles=int(x or 1))

@@ -263,7 +263,7 @@ def test_head_dim_256_tiles(device, shared_pages):
 
 def test_probe_config_names():
     """benchmarks/tools/probe_flat_shared's --configs names: keys, warps, stages, sub-tiles."""
-    from benchmarks.tools.probe_flat_shared import parse_config  # noqa: PLC0415
+    from benchmarks._common import parse_config  # noqa: PLC0415
 
     assert parse_config("n16_w1_s5") == DecodeConfig(block_n=16, num_warps=1, num_stages=5)
     assert parse_config("n32_w4_s5_x2") == DecodeConfig(block_n=32, num_warps=4, num_stages=5, subtiles=2)

@@ -22,7 +22,6 @@ row needs its prebuilt kernels (head_dim 128) unless ``--fi-jit`` lets it compil
 from __future__ import annotations
 
 import argparse
-import re
 
 import torch
 
@@ -33,6 +32,7 @@ from benchmarks._common import (
     load_flashinfer,
     markdown_table,
     measure_ceilings,
+    parse_config,
     write_json,
 )
 from benchmarks.fixtures import (
@@ -110,15 +110,6 @@ def shape_rows(s: Shape, fi, copy_bw: float, device: torch.device, rep_ms: int,
         r.update(us=round(r["us"], 1), over_best_ours=round(r["us"] / best, 3),
                  unique_bytes_us=round(unique_us, 1))
     return rows
-
-
-def parse_config(name: str) -> DecodeConfig:
-    """``n<keys>_w<warps>_s<stages>[_x<sub-tiles>]`` as a :class:`DecodeConfig`."""
-    m = re.fullmatch(r"n(\d+)_w(\d+)_s(\d+)(?:_x(\d+))?", name)
-    if m is None:
-        raise ValueError(f"config {name!r}: expected n<keys>_w<warps>_s<stages>[_x<sub-tiles>]")
-    n, w, st, x = m.groups()
-    return DecodeConfig(block_n=int(n), num_warps=int(w), num_stages=int(st), subtiles=int(x or 1))
 
 
 def main() -> None:

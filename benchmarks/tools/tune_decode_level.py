@@ -2,10 +2,12 @@
 
     python -m benchmarks.tools.tune_decode_level                          # engine and bar shapes
     python -m benchmarks.tools.tune_decode_level --shapes 256,4096,144 --json PATH
+    python -m benchmarks.tools.tune_decode_level --variants n16_w1_s5 --configs n16_w1_s9 n32_w1_s5
 
 The two-stream cascade of ``tools/tune_overlap`` (the prefix level on the main stream at
 the plan's split count, the per-request decode level on a side stream, one merge), with
-the decode level run by each ``DECODE_VARIANTS`` entry in turn, and that decode level
+the decode level run by each ``DECODE_VARIANTS`` entry in turn (and each ``--configs``
+launch config, named ``n<keys>_w<warps>_s<stages>[_x<sub-tiles>]``), and that decode level
 alone; CUDA-graph replays over rotated pools. Every answer is checked against the
 public default's (bf16, Hq 32, Hkv 8, D 128, page 16).
 """
@@ -21,6 +23,7 @@ from benchmarks._common import (
     environment,
     gpu_start,
     markdown_table,
+    parse_config,
     write_json,
 )
 from benchmarks.fixtures import (
@@ -42,9 +45,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES), help="batch,prefix,suffix triples")
     ap.add_argument("--variants", nargs="*", default=list(DECODE_VARIANTS), choices=list(DECODE_VARIANTS))
+    ap.add_argument("--configs", nargs="*", default=[], help="more launch configs, n<keys>_w<warps>_s<stages>[_x<k>]")
     ap.add_argument("--rep-ms", type=int, default=50)
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args()
+    # every launch by name, a misspelt config failing here, before the GPU work
+    launches = {name: DECODE_VARIANTS[name] for name in args.variants} | {c: parse_config(c) for c in args.configs}
     dev = gpu_start("tune_decode_level")
     rows = []
     for text in args.shapes:
@@ -55,8 +61,8 @@ def main() -> None:
         splits = attn._levels[-2].num_splits
         base = two_streams(wl, splits)
         o_ref = base[0]()[0].float().clone()
-        for name in [None, *args.variants]:
-            cfg = None if name is None else DECODE_VARIANTS[name]
+        for name in [None, *launches]:
+            cfg = None if name is None else launches[name]
             both = base if cfg is None else two_streams(wl, splits, config=cfg)
             o = both[0]()[0].float()
             torch.testing.assert_close(o, o_ref, atol=2e-2, rtol=2e-2)
