@@ -509,6 +509,10 @@ def test_cli_bench_in_either_order(order, device, torch_path, capsys, tmp_path):
         assert hf["warmup_requests"] == (5 if not check else 2)
         assert ("warmed up on 2 of its 5 requests" in out) == bool(check)
         assert hf["max_requests_per_batch"] == (2 if check else None)
+        # sdpa, or the flash attention transformers switches to where a flash package and CUDA are there
+        assert hf["attn_implementation"] in ("sdpa", "flash_attention_2", "flash_attention_3")
+        assert f"; attention {hf['attn_implementation']}" in out
+        assert hf["attn_implementation"] == "sdpa" or device.type == "cuda"
         assert ("at most 2 requests per forward pass" in out) == bool(check)
         assert hf["output_tokens"] == 20 and hf["fraction_of_floor"] > 0
     else:

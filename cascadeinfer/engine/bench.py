@@ -520,6 +520,19 @@ def _hf_batch_config(setting: Setting, llm_kwargs: dict, device: torch.device, m
                max_requests_per_batch=max_requests or llm_kwargs["max_num_seqs"])
 
 
+def _hf_attention() -> str:
+    """The attention transformers' continuous batching runs a model loaded with sdpa: it
+    switches to FlashAttention-3, else -2, where that package is installed (and CUDA is
+    there), as ``ContinuousBatchingManager`` does (its hub fallback is not tried here)."""
+    from transformers.utils import import_utils  # noqa: PLC0415
+
+    for version in (3, 2):
+        available = getattr(import_utils, f"is_flash_attn_{version}_available", None)
+        if available is not None and available():
+            return f"flash_attention_{version}"
+    return "sdpa"
+
+
 def hf_run(mc: ModelConfig, dtype: torch.dtype, device: torch.device, setting: Setting, llm_kwargs: dict,
            warmup_requests: int | None = None, max_requests: int | None = None) -> dict:
     """transformers' continuous batching (``generate_batch``) over the same requests: a
@@ -539,7 +552,7 @@ def hf_run(mc: ModelConfig, dtype: torch.dtype, device: torch.device, setting: S
     if not hasattr(_hf_config(mc)[1], "generate_batch"):
         return {**row, "error": f"transformers {transformers.__version__} has no generate_batch (continuous batching)"}
     # It switches sdpa to flash attention for continuous batching when a flash package is installed.
-    row["attn_implementation"] = "sdpa"
+    row["attn_implementation"] = _hf_attention()
     row["flash_attn_installed"] = any(importlib.util.find_spec(m) is not None
                                       for m in ("flash_attn", "flash_attn_interface"))
     new = setting.workload.new_tokens
@@ -812,6 +825,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             line += f"; prompt tokens computed {row['prefill_tokens']} of {row['prompt_tokens']} submitted"
         if row.get("warmup_requests", row.get("requests")) != row.get("requests"):
             line += f"; warmed up on {row['warmup_requests']} of its {row['requests']} requests"
+        if row.get("attn_implementation"):
+            line += f"; attention {row['attn_implementation']}"
         if row.get("max_requests_per_batch"):
             line += f"; at most {row['max_requests_per_batch']} requests per forward pass"
         if row.get("graphs_captured_while_timed"):
