@@ -262,7 +262,7 @@ def test_head_dim_256_tiles(device, shared_pages):
 
 
 def test_probe_config_names():
-    """benchmarks/tools/probe_flat_shared's --configs names: keys, warps, stages, sub-tiles."""
+    """The --configs names of probe_flat_shared and tune_decode_level: keys, warps, stages, sub-tiles."""
     from benchmarks._common import parse_config  # noqa: PLC0415
 
     assert parse_config("n16_w1_s5") == DecodeConfig(block_n=16, num_warps=1, num_stages=5)
@@ -322,8 +322,7 @@ def test_pick_decode_config():
     assert pick(8, head_dim=256).block_n <= two.block_n
     # head_dim 256: 32-key tiles on 4 warps, two programs per SM (8 warps fit one)
     plain = pick(8, head_dim=256)
-    assert (plain.block_n, plain.num_warps, plain.programs_per_sm) == (32, 4, 2) == (
-        pick(2048, head_dim=256).block_n, pick(2048, head_dim=256).num_warps, 2)
+    assert plain == pick(2048, head_dim=256) and (plain.block_n, plain.num_warps, plain.programs_per_sm) == (32, 4, 2)
     assert pick(8, dtype=torch.float32).num_warps == 8
 
 

@@ -690,9 +690,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         workload = Workload(args.requests, args.prefix, args.suffix, args.new_tokens)
     except ValueError as exc:
         raise SystemExit(f"--{str(exc).replace('_', '-')}") from None
-    for flag in ("hf_warmup_requests", "hf_max_requests"):
-        if getattr(args, flag) is not None and getattr(args, flag) < 1:
-            raise SystemExit(f"--{flag.replace('_', '-')}: expected >= 1, got {getattr(args, flag)}")
+    for flag, value in (("--hf-warmup-requests", args.hf_warmup_requests), ("--hf-max-requests", args.hf_max_requests)):
+        if value is not None and value < 1:
+            raise SystemExit(f"{flag}: expected >= 1, got {value}")
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         raise SystemExit(f"--json: the directory of {args.json!r} does not exist")
     kwargs = engine_kwargs(args)

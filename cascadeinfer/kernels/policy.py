@@ -335,8 +335,8 @@ def pick_decode_config(head_dim: int, dtype: torch.dtype, page_size: int, *, wor
     2048): 24.8 against 25.6). Reading from HBM
     the sub-tiled tiles lose (a cascade's suffix level at (256, 4096, 144): 69 against 44
     us), so plain decode keeps the rule above. At head_dim 256 (same conditions otherwise)
-    ``shared_pages`` takes n16_w1_s5_p4, 16-key tiles on one warp each: the default's 8
-    warps over 32 keys exchange every tile's softmax between warps, and sub-tiles of 256
+    ``shared_pages`` takes n16_w1_s5_p4, 16-key tiles on one warp each: the plain tiles
+    (then 8 warps over 32 keys) exchange every tile's softmax between warps, and sub-tiles of 256
     dims spill (H100, bf16, Hq 32 / Hkv 8: (64, 8192, 256) 1408 -> 531 us, (256, 4096, 128)
     2834 -> 1154, (16, 65536, 1024) 2702 -> 1034 at 4 splits, (128, 32768, 512) 10983 ->
     4375; 2.0-2.2x the head_dim 128 times, as the bytes are). Plain decode at head_dim
