@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cascadeinfer.cascade.multi_level import MultiLevelCascadeAttention
+from cascadeinfer.kernels import paged_num_splits
 from cascadeinfer.kernels.reference import attention_state_ref
 from cascadeinfer.layouts.paged_cache import page_tokens, unpack_paged_kv_cache
 
@@ -196,13 +197,15 @@ def test_cuda_graph_replay_after_tables_change():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("batch,hkv", [(64, 8), (16, 8), (64, 32)])
-def test_decode_level_beside_the_prefix_level(batch, hkv):
+@pytest.mark.parametrize("batch,hkv,suffix_pages", [(64, 8, 16), (16, 8, 16), (64, 32, 16), (16, 8, 1024)])
+def test_decode_level_beside_the_prefix_level(batch, hkv, suffix_pages):
     # Shared-prefix batch decode: the decode level runs on a side stream while the prefix
     # level, with fewer KV splits than fill the GPU, runs on the caller's stream; its tiles
     # are 128 rows (64 x 4 packed rows per kv head) or 64 (16 x 4, 64 x 1: two per SM).
+    # 16 requests: one wave of whole-SM decode programs, so the prefix level takes its
+    # whole grid (prefix_splits_beside_decode), over 256 and over 16K own tokens.
     dev = torch.device("cuda")
-    prefix_pages, suffix_pages, page_size, hq, d = 512, 16, 16, 32, 128
+    prefix_pages, page_size, hq, d = 512, 16, 32, 128
     num_pages = prefix_pages + batch * suffix_pages
     g = torch.Generator().manual_seed(3)
     perm = torch.randperm(num_pages, generator=g).int()
@@ -216,6 +219,9 @@ def test_decode_level_beside_the_prefix_level(batch, hkv):
     attn = MultiLevelCascadeAttention(2, device=dev)
     attn.plan(*tables, hq, hkv, d, page_size, use_cascade=True)
     assert attn._overlap and attn._levels[0].num_splits is not None
+    if batch * hkv <= 128:
+        assert attn._levels[0].num_splits == paged_num_splits(batch, 1, hq, hkv, d, torch.bfloat16,
+                                                              prefix_pages * page_size, dev)
     out = torch.full_like(q, float("nan"))
     lse = torch.full((batch, hq), float("nan"), device=dev)
     attn.run(q, cache, out=out, lse=lse)

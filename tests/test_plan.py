@@ -14,7 +14,8 @@ from cascadeinfer.cascade import plan as plan_mod
 from cascadeinfer.cascade.grouping import group_levels
 from cascadeinfer.cascade.multi_level import MultiLevelCascadeAttention
 from cascadeinfer.cascade.plan import check_levels, choose_cascade, flat_page_table, host_levels, level_shapes
-from cascadeinfer.kernels.policy import pick_decode_schedule
+from cascadeinfer.kernels import paged_num_splits
+from cascadeinfer.kernels.policy import pick_decode_schedule, whole_sm_decode_programs
 from cascadeinfer.layouts.page_table import check_page_table_values
 
 
@@ -228,3 +229,23 @@ def test_flat_over_shared_pages_takes_the_shared_pages_schedule():
         attn.plan(*tables(shared), 8, 2, 128, 4, use_cascade=use_cascade)
         level = attn._levels[-1] if use_cascade else attn._flat
         assert level.schedule == want, (shared, use_cascade)
+
+
+def test_prefix_takes_its_whole_grid_beside_whole_sm_decode_programs():
+    # (16, 8192, 16384): 128 decode programs, one per SM, one wave; at the share the cost
+    # model gives (0.084) the prefix's 8 programs would leave 124 SMs, so it takes its
+    # whole one-wave grid. Shapes planned for the reference SM count (CPU tensors).
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    kw = dict(num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16, dtype=bf16, device=cpu)
+    whole = paged_num_splits(16, 1, 32, 8, 128, bf16, 8192, cpu)
+    assert whole == 16
+    assert plan_mod.prefix_splits_beside_decode(16, 1, 8192, 16, "per_request", 0.084, **kw) == whole
+    # The balanced schedule and the shared-pages tiles keep the share's grid.
+    for schedule in ("balanced", "shared_pages"):
+        assert plan_mod.prefix_splits_beside_decode(16, 1, 8192, 16, schedule, 0.084, **kw) == 1
+    # Many requests: decode programs several to an SM, or more than one wave: the share's grid.
+    for batch, prefix, share in ((64, 8192, 0.565), (128, 32768, 0.739), (256, 4096, 0.583), (512, 1024, 0.444)):
+        shared = paged_num_splits(batch, 1, 32, 8, 128, bf16, prefix, cpu, sm_share=share)
+        assert plan_mod.prefix_splits_beside_decode(batch, 1, prefix, batch, "per_request", share, **kw) == shared
+    assert whole_sm_decode_programs(16, 32, 8, 128, bf16, 16, cpu) == 128
+    assert whole_sm_decode_programs(256, 32, 8, 128, bf16, 16, cpu) == 0

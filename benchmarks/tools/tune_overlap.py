@@ -35,6 +35,7 @@ from benchmarks._common import (
 )
 from benchmarks.fixtures import BAR_SHAPES, DTYPE, MIN_POOL_BYTES, PAGE, Shape, Workload
 from cascadeinfer.cascade.multi_level import MultiLevelCascadeAttention
+from cascadeinfer.cascade.plan import check_levels, choose_cascade
 from cascadeinfer.kernels import policy
 from cascadeinfer.kernels import prefill as P
 from cascadeinfer.kernels.decode import batch_decode_paged, decode_with_config
@@ -178,7 +179,16 @@ def main() -> None:
                 calls = decode_on_few_sms(wl, k, dcfg)
                 row[f"alone: balanced {dname} {k * s.hkv} progs ({sms_used} SMs)"] = bench_rotating(
                     calls, rep_ms=args.rep_ms) * 1e6
-        for splits in sorted({max(1, full - k) for k in range(0, 4)} | {max(1, full * 3 // 4)}):
+        # the split count of the cost model's SM share alone (what the public path ran
+        # before a whole-SM decode level took the prefix's whole grid: cascade.plan)
+        tables = [[t.cpu() for t in x] for x in wl.tables()]
+        share = choose_cascade(check_levels(*tables, 2, PAGE, wl.num_pages), page_size=PAGE, num_qo_heads=s.hq,
+                               num_kv_heads=s.hkv, head_dim=s.head_dim, elem_bytes=DTYPE.itemsize, device=dev)[3]
+        share_splits = {policy.paged_num_splits(s.batch, 1, s.hq, s.hkv, s.head_dim, DTYPE, s.prefix, dev,
+                                                sm_share=share)} if share is not None else set()
+        row["public path: prefix splits"] = attn._levels[-2].num_splits
+        row["model share: prefix splits"] = min(share_splits, default=None)
+        for splits in sorted({max(1, full - k) for k in range(0, 4)} | {max(1, full * 3 // 4)} | share_splits):
             variants[f"prefix s{splits} ({pairs * splits} progs) then decode"] = (two_streams, splits, "both")
             variants[f"prefix s{splits} ({pairs * splits} progs) then decode, one merge"] = (one_merge, splits)
         best = ("serial", serial)

@@ -38,13 +38,13 @@ from cascadeinfer.cascade.plan import (
     check_levels,
     choose_cascade,
     flat_page_table,
+    prefix_splits_beside_decode,
 )
 from cascadeinfer.distributed import merge_states_across
 from cascadeinfer.kernels import (
     batch_decode_paged,
     batch_prefill_paged,
     merge_state,
-    paged_num_splits,
     pick_decode_schedule,
 )
 from cascadeinfer.kernels.backend import check_backend
@@ -382,7 +382,6 @@ class MultiLevelCascadeAttention:
                     raise ValueError("use_cascade: flat decode needs every level above the last to end on a full page")
                 cascade = True
         self.use_cascade = cascade or self.num_levels == 1
-        self._overlap = False
         if self.use_cascade:
             if self.use_cuda_graph:
                 self._levels, self._packed = _upload_fixed(levels, self.device, self._capacity, [], None,
@@ -390,18 +389,6 @@ class MultiLevelCascadeAttention:
                 self._fixed = shape
             else:
                 self._levels, self._packed = _upload(levels, self.device, self._levels, self._packed)
-            # The decode level runs on a side stream beside the prefill level above it; that
-            # level's grid is sized to leave the decode its share of the SMs (from shapes).
-            # The planner gives a share only where the prefill level is compute-bound: 64- or
-            # 128-row tiles (cost.side_stream_runs), one or two programs per SM, so a smaller
-            # grid leaves SMs free. Groups of a few rows (16-32-row tiles) keep one stream.
-            self._overlap = (prefix_share is not None and self.device.type == "cuda"
-                             and self.context_parallel_level is None)  # that run is one stream
-            if self._overlap:
-                pre = levels[-2]
-                self._levels[-2].num_splits = paged_num_splits(
-                    int(pre.qo_indptr[-1]), pre.num_groups, num_qo_heads, num_kv_heads, head_dim, dtype,
-                    pre.kv_indices.size * page_size, self.device, sm_share=prefix_share)
         else:
             (self._flat,), self._packed_flat = _upload(
                 [flat], self.device, [self._flat] if self._flat else [], self._packed_flat)
@@ -417,6 +404,19 @@ class MultiLevelCascadeAttention:
                 # Flat over levels whose groups hold several rows: the rows re-read those
                 # pages, which L2 serves (batch_decode_paged's "shared_pages" tiles).
                 dev_level.schedule = "shared_pages"
+        # The decode level runs on a side stream beside the prefill level above it; that
+        # level's grid is sized to leave the decode its share of the SMs (from shapes).
+        # The planner gives a share only where the prefill level is compute-bound: 64- or
+        # 128-row tiles (cost.side_stream_runs), one or two programs per SM, so a smaller
+        # grid leaves SMs free. Groups of a few rows (16-32-row tiles) keep one stream.
+        self._overlap = (self.use_cascade and prefix_share is not None and self.device.type == "cuda"
+                         and self.context_parallel_level is None)  # that run is one stream
+        if self._overlap:
+            pre = levels[-2]
+            self._levels[-2].num_splits = prefix_splits_beside_decode(
+                int(pre.qo_indptr[-1]), pre.num_groups, pre.kv_indices.size * page_size, levels[-1].num_groups,
+                self._levels[-1].schedule, prefix_share, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+                head_dim=head_dim, page_size=page_size, dtype=dtype, device=self.device)
         self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size = num_qo_heads, num_kv_heads, head_dim, page_size
         self.num_tokens = int(levels[0].qo_indptr[-1])
         self.causal = bool(causal)

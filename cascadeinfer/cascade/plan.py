@@ -19,6 +19,13 @@ import numpy as np
 import torch
 
 from cascadeinfer.cascade.cost import DeviceModel, LevelShape, predict_seconds, prefix_sm_fraction, side_stream_runs
+from cascadeinfer.kernels.policy import (
+    groups_tile_config,
+    num_m_tiles,
+    paged_num_splits,
+    planning_sms,
+    whole_sm_decode_programs,
+)
 from cascadeinfer.layouts.indptr import check_monotone
 from cascadeinfer.layouts.page_table import PageTable, check_page_table_values
 
@@ -343,3 +350,37 @@ def choose_cascade(
     side = side_stream_runs(shapes, group_size=num_qo_heads // num_kv_heads, head_dim=head_dim, elem_bytes=elem_bytes)
     share = prefix_sm_fraction(times[-2], times[-1]) if side else None
     return t_cascade < t_flat, t_cascade, t_flat, share
+
+
+def prefix_splits_beside_decode(
+    prefix_queries: int, prefix_groups: int, prefix_max_keys: int, decode_rows: int, decode_schedule: str | None,
+    share: float, *, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype,
+    device: torch.device,
+) -> int:
+    """KV splits of a prefill level (``prefix_queries`` queries in ``prefix_groups``
+    groups over at most ``prefix_max_keys`` keys each) whose decode level below it
+    (``decode_rows`` rows, ``decode_schedule``) runs beside it on a side stream.
+
+    Its grid is sized to ``share`` of the SMs (:func:`choose_cascade`), except where the
+    decode level's programs are one wave of whole SMs
+    (:func:`~cascadeinfer.kernels.policy.whole_sm_decode_programs`: per-request plans of
+    few requests) that would not all find an SM beside that grid: then the whole one-wave
+    grid. The GPU gives each of the prefill level's programs an SM of its own first, so a
+    decode program left over starts only when a prefill program ends, and the decode
+    level, each of whose programs runs for the whole level, ends that much later. At
+    (16, 8192, 16384) (share 0.084: 8 prefill programs beside 128 decode programs) the
+    cascade took 320 µs, with the whole prefill grid first 261 (H200;
+    benchmarks/NOTES.md, "Cascade" v11).
+    """
+    args = (prefix_queries, prefix_groups, num_qo_heads, num_kv_heads, head_dim, dtype, prefix_max_keys, device)
+    splits = paged_num_splits(*args, sm_share=share)
+    if decode_schedule != "per_request":
+        return splits
+    decode_programs = whole_sm_decode_programs(decode_rows, num_qo_heads, num_kv_heads, head_dim, dtype, page_size,
+                                               device)
+    group = num_qo_heads // num_kv_heads
+    tile = groups_tile_config(prefix_queries, prefix_groups, group, head_dim, dtype)
+    prefix_programs = num_m_tiles(prefix_queries, prefix_groups, group, tile.block_m) * num_kv_heads * splits
+    if decode_programs and decode_programs > planning_sms(device) - prefix_programs:
+        return paged_num_splits(*args)
+    return splits

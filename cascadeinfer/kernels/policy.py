@@ -398,6 +398,27 @@ def decode_num_splits(batch: int, num_kv_heads: int, device: torch.device | str,
     return max(1, min(MAX_SPLITS, num_sms * programs_per_sm // work))
 
 
+def whole_sm_decode_programs(batch: int, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                             page_size: int, device: torch.device | str) -> int:
+    """The programs of :func:`batch_decode_paged`'s per-request plan for these shapes when
+    they are one wave of one program per SM, else 0.
+
+    Such a plan (few requests: :func:`pick_decode_config`'s 128-key, 5-stage tiles, 137
+    KiB of shared memory on sm_90a) cuts every (request, kv head) pair into as many splits
+    as fill the SMs once, so each program runs for the whole level. Beside another
+    stream's kernel a program that finds no free SM waits for one of that kernel's
+    programs to end before it starts: the level then ends that much later
+    (``MultiLevelCascadeAttention`` gives its prefill level the whole grid then).
+    """
+    dev = torch.device(device)
+    num_sms = planning_sms(dev)
+    work = max(1, batch * num_kv_heads)
+    cfg = pick_decode_config(head_dim, dtype, page_size, work=work, num_sms=num_sms,
+                             group_size=num_qo_heads // num_kv_heads)
+    programs = work * decode_num_splits(batch, num_kv_heads, dev, programs_per_sm=cfg.programs_per_sm)
+    return programs if cfg.programs_per_sm == 1 and programs <= num_sms else 0
+
+
 # The balanced schedule's variants (sm_90a builds of its kernel, bf16, D=128, group 4:
 # n128_w4_s5 168 registers, 137 KiB of shared memory -> 1 program per SM with two 64 KiB
 # K+V tiles in flight; n128_w4_s3 168 registers, 73 KiB -> up to 3 per SM).
