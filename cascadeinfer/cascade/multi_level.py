@@ -405,7 +405,9 @@ class MultiLevelCascadeAttention:
                 # pages, which L2 serves (batch_decode_paged's "shared_pages" tiles).
                 dev_level.schedule = "shared_pages"
         # The decode level runs on a side stream beside the prefill level above it; that
-        # level's grid is sized to leave the decode its share of the SMs (from shapes).
+        # level's grid is sized to leave the decode its share of the SMs (from shapes), or
+        # is its whole grid where the decode's programs each need an SM for the whole
+        # level (cascade.plan.prefix_splits_beside_decode).
         # The planner gives a share only where the prefill level is compute-bound: 64- or
         # 128-row tiles (cost.side_stream_runs), one or two programs per SM, so a smaller
         # grid leaves SMs free. Groups of a few rows (16-32-row tiles) keep one stream.
