@@ -32,16 +32,13 @@ import torch
 
 from benchmarks._common import bench_rotating, bench_seconds, environment, gpu_start, markdown_table, write_json
 from benchmarks.fixtures import MAX_ROTATIONS, MIN_POOL_BYTES, Shape, Workload
+from benchmarks.tools.profile_engine_step import add_workload_args, engine_in_full_decode
 from cascadeinfer.cascade.multi_level import MultiLevelCascadeAttention
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", default="llama3-8b")
-    ap.add_argument("--requests", type=int, default=256)
-    ap.add_argument("--prefix", type=int, default=4096)
-    ap.add_argument("--suffix", type=int, default=128)
-    ap.add_argument("--new-tokens", type=int, default=16, help="per request; enough to reach full-batch steps")
+    add_workload_args(ap, new_tokens=16)
     ap.add_argument("--rep-ms", type=int, default=100)
     ap.add_argument("--json", metavar="PATH", help="write the results and the environment here as JSON")
     args = ap.parse_args()
@@ -67,29 +64,10 @@ def main() -> None:
 
 def engine_rows(args, device: torch.device) -> tuple[list[dict], tuple[int, int, list[int]]]:
     """The first four variants' rows, and (rows, shared tokens, each row's own tokens)."""
-    from cascadeinfer.engine.bench import Workload as EngineWorkload  # noqa: PLC0415
-    from cascadeinfer.engine.llm import LLM  # noqa: PLC0415
-    from cascadeinfer.engine.model_loader import preset  # noqa: PLC0415
-    from cascadeinfer.engine.sampling import SamplingParams  # noqa: PLC0415
-
-    mc = preset(args.preset)
-    llm = LLM.from_config(mc, device=device, dtype=torch.bfloat16, record_steps=True, page_size=16,
-                          max_model_len=args.prefix + args.suffix + args.new_tokens)
-    params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
-    for prompt in EngineWorkload(args.requests, args.prefix, args.suffix, args.new_tokens).prompts(mc.vocab_size, 0):
-        llm.add_request(prompt, params)
-    while True:  # until a full-batch decode step has run, plus two to settle
-        llm.step()
-        last = llm.step_stats[-1]
-        if last.num_prefill_tokens == 0 and last.num_decode == min(args.requests, llm.config.max_num_seqs):
-            break
-    for _ in range(2):
-        llm.step()
-    torch.cuda.synchronize()
-
+    llm = engine_in_full_decode(args, device, warm_up=False)
     runner, ps = llm.runner, llm.config.page_size
     scale = runner.sm_scale
-    hq, hkv, d = runner.model.num_qo_heads, runner.model.num_kv_heads, mc.head_dim
+    hq, hkv, d = runner.model.num_qo_heads, runner.model.num_kv_heads, runner.model.head_dim
     steps = [st for key, st in runner.graphs.steps.items() if key[1] and st.graph is not None]
     if not steps:
         sys.exit("no captured cascade step")

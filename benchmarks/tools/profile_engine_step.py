@@ -88,17 +88,8 @@ def summarize(start: float, end: float, step: list[dict]) -> dict:
 
 
 def main() -> None:
-    from cascadeinfer.engine.bench import Workload  # noqa: PLC0415
-    from cascadeinfer.engine.llm import LLM  # noqa: PLC0415
-    from cascadeinfer.engine.model_loader import preset  # noqa: PLC0415
-    from cascadeinfer.engine.sampling import SamplingParams  # noqa: PLC0415
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", default="llama3-8b")
-    ap.add_argument("--requests", type=int, default=256)
-    ap.add_argument("--prefix", type=int, default=4096)
-    ap.add_argument("--suffix", type=int, default=128)
-    ap.add_argument("--new-tokens", type=int, default=64, help="per request; enough to reach full-batch steps")
+    add_workload_args(ap, new_tokens=64)
     ap.add_argument("--steps", type=int, default=8, help="full-batch decode steps profiled")
     ap.add_argument("--top", type=int, default=15, help="kernels listed by time")
     ap.add_argument("--json", metavar="PATH", help="write the results and the environment here as JSON")
@@ -106,23 +97,7 @@ def main() -> None:
     if args.new_tokens <= args.steps + 4:
         sys.exit("--new-tokens: must exceed --steps + 4 (the profiled steps come after the batch fills)")
     device = gpu_start("profile_engine_step")
-    workload = Workload(args.requests, args.prefix, args.suffix, args.new_tokens)
-    mc = preset(args.preset)
-    llm = LLM.from_config(mc, device=device, dtype=torch.bfloat16, record_steps=True, page_size=16,
-                          max_model_len=args.prefix + args.suffix + args.new_tokens)
-    params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
-    llm.generate(workload.prompts(mc.vocab_size, 1), params)  # compile, capture every graph bucket
-    llm.reset_prefix_cache()
-    for prompt in workload.prompts(mc.vocab_size, 0):
-        llm.add_request(prompt, params)
-    while True:  # until a full-batch decode step has run, plus two to settle
-        llm.step()
-        last = llm.step_stats[-1]
-        if last.num_prefill_tokens == 0 and last.num_decode == min(args.requests, llm.config.max_num_seqs):
-            break
-    for _ in range(2):
-        llm.step()
-    torch.cuda.synchronize()
+    llm = engine_in_full_decode(args, device, warm_up=True)
     walls = []
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
@@ -160,6 +135,47 @@ def main() -> None:
     print(markdown_table(top, ["kernel", "us per step", "kind"]))
     write_json(args.json, {"environment": environment(), "workload": {k: v for k, v in vars(args).items() if k != "json"}, "step": head, "kinds": rows,
                            "top": top})
+
+
+def add_workload_args(ap: argparse.ArgumentParser, *, new_tokens: int) -> None:
+    """The workload options of :func:`engine_in_full_decode` (``cascadeinfer bench``'s)."""
+    ap.add_argument("--preset", default="llama3-8b")
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--prefix", type=int, default=4096)
+    ap.add_argument("--suffix", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=new_tokens, help="per request; enough to reach full-batch steps")
+
+
+def engine_in_full_decode(args, device: torch.device, *, warm_up: bool):
+    """An engine as ``cascadeinfer bench`` builds it (``args.preset``'s shapes, random bf16
+    weights, page 16) with ``args.requests`` requests of ``args.prefix`` shared and
+    ``args.suffix`` own tokens added, stepped until every request decodes, then twice more.
+    ``warm_up``: first run the whole workload once on other prompts (every kernel compiled,
+    every graph bucket captured), as the bench does."""
+    from cascadeinfer.engine.bench import Workload  # noqa: PLC0415
+    from cascadeinfer.engine.llm import LLM  # noqa: PLC0415
+    from cascadeinfer.engine.model_loader import preset  # noqa: PLC0415
+    from cascadeinfer.engine.sampling import SamplingParams  # noqa: PLC0415
+
+    workload = Workload(args.requests, args.prefix, args.suffix, args.new_tokens)
+    mc = preset(args.preset)
+    llm = LLM.from_config(mc, device=device, dtype=torch.bfloat16, record_steps=True, page_size=16,
+                          max_model_len=args.prefix + args.suffix + args.new_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
+    if warm_up:
+        llm.generate(workload.prompts(mc.vocab_size, 1), params)
+        llm.reset_prefix_cache()
+    for prompt in workload.prompts(mc.vocab_size, 0):
+        llm.add_request(prompt, params)
+    while True:  # until a full-batch decode step has run, plus two to settle
+        llm.step()
+        last = llm.step_stats[-1]
+        if last.num_prefill_tokens == 0 and last.num_decode == min(args.requests, llm.config.max_num_seqs):
+            break
+    for _ in range(2):
+        llm.step()
+    torch.cuda.synchronize()
+    return llm
 
 
 def split_at_markers(events: list[dict]) -> list[tuple[float, float, list[dict]]]:
