@@ -172,6 +172,8 @@ def engine_in_full_decode(args, device: torch.device, *, warm_up: bool):
         last = llm.step_stats[-1]
         if last.num_prefill_tokens == 0 and last.num_decode == min(args.requests, llm.config.max_num_seqs):
             break
+        if not llm.has_unfinished():
+            sys.exit("--new-tokens: the first requests finished before the last began to decode; raise it")
     for _ in range(2):
         llm.step()
     torch.cuda.synchronize()
