@@ -368,9 +368,9 @@ def prefix_splits_beside_decode(
     grid. The GPU gives each of the prefill level's programs an SM of its own first, so a
     decode program left over starts only when a prefill program ends, and the decode
     level, each of whose programs runs for the whole level, ends that much later. At
-    (16, 8192, 16384) (share 0.084: 8 prefill programs beside 128 decode programs) the
-    cascade took 320 µs, with the whole prefill grid first 261 (H200;
-    benchmarks/NOTES.md, "Cascade" v11).
+    (16, 8192, 16384) on an H200 (the share's grid: 16 prefill programs beside 128 decode
+    programs) the cascade took 319-320 µs, with the whole prefill grid first 261
+    (benchmarks/NOTES.md, "Cascade" v11).
     """
     args = (prefix_queries, prefix_groups, num_qo_heads, num_kv_heads, head_dim, dtype, prefix_max_keys, device)
     splits = paged_num_splits(*args, sm_share=share)
