@@ -230,3 +230,20 @@ def test_decode_level_beside_the_prefix_level(batch, hkv, suffix_pages):
     o_flat, lse_flat = flat.run(q, cache, return_lse=True)
     torch.testing.assert_close(out.float(), o_flat.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse, lse_flat, atol=1e-3, rtol=1e-3)
+    o_ref, lse_ref = shared_prefix_reference(q, cache, perm, prefix_pages, suffix_pages, tables[3][1], page_size)
+    check_close(out, lse, o_ref, lse_ref, torch.bfloat16)
+
+
+def shared_prefix_reference(q, cache, perm, prefix_pages, suffix_pages, last_page_len, page_size):
+    """Float64 (o, natural-log lse) of row ``r`` over pages ``perm[:prefix_pages]`` then its
+    own ``suffix_pages`` (the last holding ``last_page_len[r]`` tokens), NHD cache."""
+    kv = unpack_paged_kv_cache(cache, "NHD")
+    o_ref = torch.empty(q.shape, dtype=torch.float64)
+    lse_ref = torch.empty(q.shape[:2], dtype=torch.float64)
+    for r in range(q.shape[0]):
+        own = perm[prefix_pages + r * suffix_pages:prefix_pages + (r + 1) * suffix_pages]
+        pages = torch.cat([perm[:prefix_pages], own]).to(cache.device)
+        n = (prefix_pages + suffix_pages - 1) * page_size + int(last_page_len[r])
+        k, v = (page_tokens(kv, which, pages)[:n].cpu() for which in ("k", "v"))
+        o_ref[r:r + 1], lse_ref[r:r + 1] = attention_state_ref(q[r:r + 1].cpu(), k, v)
+    return o_ref, lse_ref
