@@ -392,7 +392,6 @@ def test_cascade_property(prefix, suffixes, queries, page_size, seed):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gen = torch.Generator().manual_seed(seed)
     hkv, group, d, dtype = 2, 4, 64, torch.float32
-    n_req = len(suffixes)
     qo_lens = [min(n, s) for n, s in zip(queries, suffixes)]  # suffix holds the query tokens
     prefix_pages = -(-prefix // page_size)
     suffix_pages = [-(-s // page_size) for s in suffixes]
