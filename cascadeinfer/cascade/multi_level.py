@@ -48,7 +48,7 @@ from cascadeinfer.kernels import (
     pick_decode_schedule,
 )
 from cascadeinfer.kernels.backend import check_backend
-from cascadeinfer.kernels.launch import LaunchCache, Recording, given, recording
+from cascadeinfer.kernels.launch import LAUNCH, RECORD, WAIT, HotProgram, LaunchCache, Recording, given, recording
 from cascadeinfer.layouts.page_table import PageTable
 from cascadeinfer.layouts.paged_cache import (
     cache_tensors,
@@ -583,10 +583,14 @@ class MultiLevelCascadeAttention:
         if torch.compiler.is_compiling():
             return self._run_traced(q, paged_kv_cache, out, lse, return_lse, sm_scale)
         cache = cache_tensors(paged_kv_cache)
+        tensors = (q, *cache, *given(out, lse))
         # Recorded apart for CUDA-graph capture: its decode level merges KV splits the way
         # a graph runs fastest (kernels.policy.merge_in_kernel).
-        launches, key, ptrs = self._launches.find((q, *cache, *given(out, lse)),
-                                                  (len(cache), out is None, lse is None, sm_scale, capturing()))
+        options = (len(cache), out is None, lse is None, sm_scale, capturing(), return_lse)
+        done = self._launches.hot(tensors, options)
+        if done is not None:
+            return done
+        launches, key, ptrs = self._launches.find(tensors, options[:-1])
         if launches is None:
             self._check_run(q, paged_kv_cache, out, lse)
             if not use_triton(q.device):  # the PyTorch path launches nothing to replay
@@ -599,6 +603,8 @@ class MultiLevelCascadeAttention:
             # An LSE nobody reads goes to the recording's own buffer (runs are ordered).
             lse = launches.upper.fresh(len(cache) + 2) if return_lse else launches.lse
         launches.replay((q, *cache, out, lse), ptrs[:1 + len(cache)])
+        # Later calls like this one take the C++ hot path (kernels.hot_path).
+        self._launches.bind(launches.hot_program(1 + len(cache), options[1], options[2], return_lse), tensors, options)
         return (out, lse) if return_lse else out
 
     def _check_run(self, q, paged_kv_cache, out, lse) -> None:
@@ -720,6 +726,32 @@ class _Launches:
         self._join.record(self.side)
         main.wait_event(self._join)
         self.merge.replay(roots, self._main_raw, known)
+
+    def hot_program(self, num_inputs: int, out_none: bool, lse_none: bool, return_lse: bool) -> HotProgram | None:
+        """The last replay as the C++ hot path repeats it, for a run whose roots are
+        ``num_inputs`` inputs (q and the cache), then out and lse (each given, or: out
+        allocated, lse allocated where returned and else this plan's own buffer); None
+        where a recording did not go out through the direct launcher."""
+        recordings = [r for r in (self.upper, self.last, self.merge) if r is not None]
+        if any(r._hot_state is None or r._hot_state[0] or not r._direct for r in recordings):
+            return None
+        sources, templates, t = list(range(num_inputs)), [None] * num_inputs, num_inputs
+        for none, kind, buffer in ((out_none, -1, None), (lse_none, -1 if return_lse else -2, self.lse)):
+            sources.append(kind if none else t)
+            templates.append(None if not none else buffer if kind == -2 else self.upper._templates[len(sources) - 1])
+            t += 0 if none else 1
+        if self.side is None:
+            steps = ((LAUNCH, None, tuple(ln for r in recordings for ln in r._direct)),)
+        else:
+            fork, join, side = self._fork.cuda_event, self._join.cuda_event, self._side_raw
+            if not fork or not join:
+                return None
+            steps = ((RECORD, None, fork), (WAIT, side, fork), (LAUNCH, None, self.upper._direct),
+                     (LAUNCH, side, self.last._direct), (RECORD, side, join), (WAIT, None, join),
+                     (LAUNCH, None, self.merge._direct))
+        returned = (num_inputs, num_inputs + 1) if return_lse else (num_inputs,)
+        return HotProgram(tuple(sources), tuple(templates), returned, not return_lse, steps, False, 0, 0, 0, None,
+                          None, self)
 
     def _current_stream(self, t: torch.Tensor) -> torch.cuda.Stream:
         """The caller's current stream, as an object (torch.cuda.current_stream costs

@@ -216,7 +216,10 @@ def append_paged_kv_cache(
     """
     cache = cache_tensors(paged_kv_cache)
     roots = (append_key, append_value, batch_indices, positions, *cache, kv_indices, kv_indptr, kv_last_page_len)
-    rec, key, ptrs = _LAUNCHES.find(roots, (len(cache), kv_layout), lengthless=(4 + len(cache),))
+    options = (len(cache), kv_layout)
+    if not validate and _LAUNCHES.hot(roots, options) is not None:
+        return
+    rec, key, ptrs = _LAUNCHES.find(roots, options, lengthless=(4 + len(cache),), hot=not validate)
     if rec is not None:  # a call of this signature passed every shape check already
         if validate and not capturing():
             _check_contents(unpack_paged_kv_cache(paged_kv_cache, kv_layout), batch_indices, positions,

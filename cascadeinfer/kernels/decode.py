@@ -154,11 +154,14 @@ def batch_decode_paged(
     ``validate=False`` the hot path an engine takes.
     """
     cache = cache_tensors(paged_kv_cache)
-    rec, key, ptrs = _LAUNCHES.find(
-        (q, *cache, kv_indptr, kv_indices, kv_last_page_len, *given(out, lse)),
-        # Captured calls merge KV splits in a merge kernel, eager ones in the kernel (policy).
-        (len(cache), out is None, lse is None, kv_layout, sm_scale, num_splits, schedule, capturing()),
-        lengthless=(len(cache) + 2,))
+    tensors = (q, *cache, kv_indptr, kv_indices, kv_last_page_len, *given(out, lse))
+    # Captured calls merge KV splits in a merge kernel, eager ones in the kernel (policy).
+    options = (len(cache), out is None, lse is None, kv_layout, sm_scale, num_splits, schedule, capturing())
+    if not validate:
+        done = _LAUNCHES.hot(tensors, options)
+        if done is not None:
+            return done
+    rec, key, ptrs = _LAUNCHES.find(tensors, options, lengthless=(len(cache) + 2,), hot=not validate)
     if rec is None:
         return decode_with_config(
             q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, kv_layout=kv_layout,

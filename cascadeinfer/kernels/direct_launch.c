@@ -10,49 +10,10 @@
  * libcuda is opened on the first run, so the module builds and imports on a machine
  * without a GPU (where `pack` lets tests check the parameter bytes).
  */
-#include "cuda.h"
-#include <dlfcn.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-
-#define MAX_PARAMS 256   /* far above any kernel of ours; checked in prepare */
-#define MAX_BYTES 4096   /* the driver's limit on a kernel's parameter bytes */
-#define MAX_ROOTS 64
-
-typedef CUresult (*launch_ex_t)(const CUlaunchConfig *, CUfunction, void **, void **);
-typedef CUresult (*error_string_t)(CUresult, const char **);
-typedef CUresult (*ctx_get_current_t)(CUcontext *);
-
-static launch_ex_t launch_ex = NULL;
-static error_string_t error_string = NULL;
-static ctx_get_current_t ctx_get_current = NULL;
-
-typedef struct {
-  uint16_t offset; /* byte offset of the 8-byte address in the parameter bytes */
-  uint16_t root;   /* index into run's addresses */
-  int64_t add;     /* byte offset from that address */
-} Patch;
-
-typedef struct {
-  CUfunction function;
-  unsigned int grid[3];
-  unsigned int block;
-  unsigned int shared;
-  int pdl;
-  int cooperative;
-  int num_params;
-  uint16_t offsets[MAX_PARAMS];
-  int num_patches;
-  Patch *patches;
-  int size;
-  unsigned char *bytes; /* the parameter bytes, addresses of fixed tensors included */
-} Launch;
+#include "direct_launch.h"
 
 static void free_launch(PyObject *capsule) {
-  Launch *l = (Launch *)PyCapsule_GetPointer(capsule, "cascadeinfer.Launch");
+  Launch *l = (Launch *)PyCapsule_GetPointer(capsule, LAUNCH_CAPSULE);
   if (l) {
     free(l->patches);
     free(l->bytes);
@@ -123,7 +84,7 @@ static PyObject *prepare(PyObject *self, PyObject *args) {
     l->patches[i].add = add;
   }
   l->num_patches = (int)num_patches;
-  result = PyCapsule_New(l, "cascadeinfer.Launch", free_launch);
+  result = PyCapsule_New(l, LAUNCH_CAPSULE, free_launch);
   if (result)
     l = NULL; /* owned by the capsule */
 done:
@@ -135,15 +96,6 @@ done:
   PyBuffer_Release(&bytes);
   PyBuffer_Release(&offsets);
   return result;
-}
-
-/* The parameter bytes of `l` for the addresses `roots`. */
-static void fill(const Launch *l, const uint64_t *roots, unsigned char *buf) {
-  memcpy(buf, l->bytes, (size_t)l->size);
-  for (int i = 0; i < l->num_patches; i++) {
-    uint64_t address = roots[l->patches[i].root] + (uint64_t)l->patches[i].add;
-    memcpy(buf + l->patches[i].offset, &address, sizeof(address));
-  }
 }
 
 static int read_roots(PyObject *tuple, uint64_t *roots) {
@@ -163,7 +115,7 @@ static int read_roots(PyObject *tuple, uint64_t *roots) {
 }
 
 static Launch *get_launch(PyObject *capsule) {
-  return (Launch *)PyCapsule_GetPointer(capsule, "cascadeinfer.Launch");
+  return (Launch *)PyCapsule_GetPointer(capsule, LAUNCH_CAPSULE);
 }
 
 /* pack(capsule, roots) -> bytes: the parameter bytes a run would pass (for tests). */
@@ -180,24 +132,6 @@ static PyObject *pack(PyObject *self, PyObject *args) {
   return PyBytes_FromStringAndSize((const char *)buf, l->size);
 }
 
-static int load_driver(void) {
-  if (launch_ex)
-    return 0;
-  void *lib = dlopen("libcuda.so.1", RTLD_LAZY);
-  if (!lib) {
-    PyErr_SetString(PyExc_RuntimeError, "direct launch: cannot open libcuda.so.1");
-    return -1;
-  }
-  error_string = (error_string_t)dlsym(lib, "cuGetErrorString");
-  ctx_get_current = (ctx_get_current_t)dlsym(lib, "cuCtxGetCurrent");
-  launch_ex = (launch_ex_t)dlsym(lib, "cuLaunchKernelEx");
-  if (!launch_ex) {
-    PyErr_SetString(PyExc_RuntimeError, "direct launch: libcuda.so.1 has no cuLaunchKernelEx");
-    return -1;
-  }
-  return 0;
-}
-
 /* run(capsules, roots, stream) -> bool: launch each recorded kernel, in order, on
  * `stream`. False, launching nothing, when the calling thread has no current CUDA
  * context (a thread whose first CUDA work this is): the caller then launches through
@@ -212,56 +146,18 @@ static PyObject *run(PyObject *self, PyObject *args) {
   uint64_t roots[MAX_ROOTS];
   if (read_roots(roots_tuple, roots) < 0)
     return NULL;
-  if (ctx_get_current) {
-    CUcontext ctx = NULL;
-    if (ctx_get_current(&ctx) != CUDA_SUCCESS || ctx == NULL)
-      Py_RETURN_FALSE;
-  }
+  if (!has_context())
+    Py_RETURN_FALSE;
   Py_ssize_t n = PyTuple_GET_SIZE(launches);
-  CUresult status = CUDA_SUCCESS;
-  for (Py_ssize_t k = 0; k < n && status == CUDA_SUCCESS; k++) {
+  for (Py_ssize_t k = 0; k < n; k++) {
     Launch *l = get_launch(PyTuple_GET_ITEM(launches, k));
     if (!l)
       return NULL;
-    if ((uint64_t)l->grid[0] * l->grid[1] * l->grid[2] == 0)
-      continue;
-    _Alignas(16) unsigned char buf[MAX_BYTES];
-    void *params[MAX_PARAMS];
-    fill(l, roots, buf);
-    for (int i = 0; i < l->num_params; i++)
-      params[i] = buf + l->offsets[i];
-    CUlaunchAttribute attrs[2];
-    CUlaunchConfig config;
-    memset(&config, 0, sizeof(config));
-    config.gridDimX = l->grid[0];
-    config.gridDimY = l->grid[1];
-    config.gridDimZ = l->grid[2];
-    config.blockDimX = l->block;
-    config.blockDimY = 1;
-    config.blockDimZ = 1;
-    config.sharedMemBytes = l->shared;
-    config.hStream = (CUstream)(uintptr_t)stream;
-    config.attrs = attrs;
-    if (l->pdl) {
-      attrs[config.numAttrs].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-      attrs[config.numAttrs].value.programmaticStreamSerializationAllowed = 1;
-      config.numAttrs++;
+    CUresult status = launch_one(l, roots, (CUstream)(uintptr_t)stream, 1);
+    if (status != CUDA_SUCCESS) {
+      launch_error("cuLaunchKernelEx", status);
+      return NULL;
     }
-    if (l->cooperative) {
-      attrs[config.numAttrs].id = CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
-      attrs[config.numAttrs].value.cooperative = 1;
-      config.numAttrs++;
-    }
-    Py_BEGIN_ALLOW_THREADS;
-    status = launch_ex(&config, l->function, params, NULL);
-    Py_END_ALLOW_THREADS;
-  }
-  if (status != CUDA_SUCCESS) {
-    const char *text = "unknown error";
-    if (error_string)
-      error_string(status, &text);
-    PyErr_Format(PyExc_RuntimeError, "direct launch: cuLaunchKernelEx failed: %s", text);
-    return NULL;
   }
   Py_RETURN_TRUE;
 }

@@ -50,11 +50,18 @@ def module():
         from triton.backends.nvidia.driver import include_dirs  # noqa: PLC0415
         from triton.runtime.build import compile_module_from_src  # noqa: PLC0415
 
-        src = Path(__file__).with_name("direct_launch.c").read_text()
-        return compile_module_from_src(src=src, name="cascadeinfer_direct_launch", include_dirs=list(include_dirs))
+        return compile_module_from_src(src=source("direct_launch.c"), name="cascadeinfer_direct_launch", include_dirs=list(include_dirs))
     except Exception as exc:  # noqa: BLE001 - any build failure means: use Triton's launcher
         _LOG.warning("cascadeinfer: direct kernel launches unavailable (%s); using Triton's launcher", exc)
         return None
+
+
+def source(name: str) -> str:
+    """The text of the C/C++ file ``name`` beside this module with ``direct_launch.h``
+    inlined where it is included, so that a build cached by its source text is rebuilt
+    when the header changes."""
+    here = Path(__file__).parent
+    return (here / name).read_text().replace('#include "direct_launch.h"', (here / "direct_launch.h").read_text())
 
 
 def _pack_value(ty: str, value) -> bytes:

@@ -37,16 +37,18 @@ package pins); a kernel that needs launch-time scratch memory is never replayed.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from triton import knobs
 
 from cascadeinfer._device import use_triton
-from cascadeinfer.kernels import direct_launch
+from cascadeinfer.kernels import direct_launch, hot_path
 
 try:  # torch's C++ tensor guards (those of torch.compile); without them every call is keyed in Python
     from torch._C._dynamo.guards import TensorGuards as _TensorGuards
@@ -108,6 +110,38 @@ class _Descriptor:
         self.block_shape, self.layout = recorded.block_shape, recorded.layout
 
 
+# The kinds of a HotProgram's steps.
+LAUNCH, RECORD, WAIT = 0, 1, 2
+
+
+class HotProgram(NamedTuple):
+    """A replay as the C++ hot path repeats it (:mod:`cascadeinfer.kernels.hot_path`).
+
+    ``sources``: per root, the index of the call's tensor it is, ``-1`` where the call
+    allocates it like ``templates[root]``, ``-2`` for the fixed buffer ``templates[root]``.
+    ``returned``: the roots the call returns (``single``: the one root itself, not a
+    tuple). ``steps``: ``(LAUNCH, stream, direct launches)``, ``(RECORD, stream, event
+    handle)`` or ``(WAIT, stream, event handle)``, in order; ``stream`` None is the
+    caller's current stream, else a raw handle. ``bound``: the scratch (``base``) and
+    counters (``counts``) belong to raw ``stream`` (and, with ``scratch_key``, to the
+    block ``_STREAM_SCRATCH[scratch_key]`` must still be), so the program runs only there
+    and never while captured. ``keep``: what must outlive the entry (the recordings).
+    """
+
+    sources: tuple[int, ...]
+    templates: tuple
+    returned: tuple[int, ...]
+    single: bool
+    steps: tuple
+    bound: bool
+    stream: int
+    base: int
+    counts: int
+    scratch_key: tuple | None
+    scratch_block: torch.Tensor | None
+    keep: object
+
+
 # The C launcher's leading arguments: grid x/y/z, stream, function, cooperative, PDL,
 # global and profile scratch, packed metadata, launch metadata, enter and exit hooks.
 _HEAD = 13
@@ -145,6 +179,12 @@ class Recording:
     # (raw stream, block, its address): the counter block of the last eager replay, held
     # here so that the next replay on that stream skips the lookup by stream.
     _kept_counts: tuple[int, torch.Tensor, int] | None = None
+    # (first output root, out left to the launcher, lse left to it): set by outputs().
+    _out_slots: tuple[int, bool, bool] | None = None
+    # How the last replay launched, for the C++ hot path (LaunchCache.hot): (bound to the
+    # stream, stream, scratch base, counter base, scratch key, scratch block, blocks to
+    # hold); None: it went through Triton's launcher, or a path the hot one does not take.
+    _hot_state: tuple | None = None
 
     def fresh(self, index: int) -> torch.Tensor:
         """A new contiguous tensor of root ``index``'s recorded dtype, device and shape:
@@ -158,6 +198,7 @@ class Recording:
         """A replayed call's ``(out, lse)``: each one given as it is (a call of the
         recorded signature passed its checks), each None :meth:`fresh` like the recorded
         roots ``index`` and ``index + 1``."""
+        self._out_slots = (index, out is None, lse is None)
         return (self.fresh(index) if out is None else out, self.fresh(index + 1) if lse is None else lse)
 
     def replay(self, roots: Sequence[torch.Tensor], stream: int | None = None, known: Sequence[int] = ()) -> None:
@@ -178,25 +219,31 @@ class Recording:
         current = torch._C._cuda_getCurrentRawStream(device_index)
         if stream is None:
             stream = current
+        self._hot_state = None
         if self.keep_scratch or not (self.scratch_bytes or self.counter_bytes):
-            self._launch_cuda(ptrs, stream, 0, 0)  # kept scratch and counters sit in the argument lists
+            # kept scratch and counters sit in the argument lists
+            if self._launch_cuda(ptrs, stream, 0, 0):
+                self._hot_state = (False, 0, 0, 0, None, None, None)
             return
         capturing = torch._C._cuda_isCurrentStreamCapturing()
         zeroed = None  # a graph's own counters, alive until its launches are captured
         counts = 0
+        counts_block = None
         if self.counter_bytes:
             kept_counts = self._kept_counts
             if capturing:
                 zeroed = torch.zeros(self.counter_bytes // 4, dtype=torch.int32, device=roots[0].device)
                 counts = zeroed.data_ptr()
             elif kept_counts is not None and kept_counts[0] == stream:
-                counts = kept_counts[2]
+                counts, counts_block = kept_counts[2], kept_counts[1]
             else:
-                block = _stream_counters(roots[0].device, device_index, stream, current, self.counter_bytes)
-                counts = block.data_ptr()
-                self._kept_counts = (stream, block, counts)
+                counts_block = _stream_counters(roots[0].device, device_index, stream, current, self.counter_bytes)
+                counts = counts_block.data_ptr()
+                self._kept_counts = (stream, counts_block, counts)
+        hot = not capturing and stream == current
         if not self.scratch_bytes:
-            self._launch_cuda(ptrs, stream, 0, counts)
+            if self._launch_cuda(ptrs, stream, 0, counts) and hot:
+                self._hot_state = (True, stream, 0, counts, None, None, counts_block)
             return
         if device_index != torch._C._cuda_getDevice():  # the raw allocator serves the current device
             scratch = torch.empty(self.scratch_bytes, dtype=torch.uint8, device=roots[0].device)
@@ -211,7 +258,8 @@ class Recording:
             if block is None or block.numel() < self.scratch_bytes:
                 block = _stream_block(roots[0].device, stream, current, self.scratch_bytes, block)
             try:
-                self._launch_cuda(ptrs, stream, block.data_ptr(), counts)
+                if self._launch_cuda(ptrs, stream, block.data_ptr(), counts) and hot:
+                    self._hot_state = (True, stream, block.data_ptr(), counts, where, block, counts_block)
             finally:
                 _STREAM_SCRATCH[where] = block
             return
@@ -224,13 +272,27 @@ class Recording:
         finally:
             _raw_free(base)
 
-    def _launch_cuda(self, ptrs: list[int], stream: int, base: int, counts: int) -> None:
+    def hot_program(self, num_tensors: int) -> HotProgram | None:
+        """What the C++ hot path needs to repeat this recording's last replay for a call
+        of ``num_tensors`` tensors (see :class:`HotProgram`), or None where it cannot."""
+        state = self._hot_state
+        roots = hot_roots(self._out_slots, num_tensors)
+        if state is None or not self._direct or roots is None or len(roots[0]) != len(self._templates):
+            return None
+        sources, returned = roots
+        bound, stream, base, counts, scratch_key, scratch_block, counts_block = state
+        return HotProgram(sources, tuple(self._templates[r] if src < 0 else None for r, src in enumerate(sources)),
+                          returned, False, ((LAUNCH, None, self._direct),), bound, stream, base, counts,
+                          scratch_key, scratch_block, (self, counts_block))
+
+    def _launch_cuda(self, ptrs: list[int], stream: int, base: int, counts: int) -> bool:
+        """Enqueue the launches; True where they went out through the direct launcher."""
         hooked = bool(knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls)
         if not hooked:
             direct = self._direct if self._direct is not None else self._prepare_direct(len(ptrs))
             # False: this thread has no current CUDA context yet; Triton's launcher below makes it.
             if direct and direct_launch.module().run(direct, (*ptrs, base, counts), stream):
-                return
+                return True
         for ln in self.launches:
             args = ln.args.copy()
             args[_STREAM] = stream
@@ -249,6 +311,7 @@ class Recording:
                       knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *args[_HEAD:])
             else:
                 ln.compiled.run.launch(*args)
+        return False
 
     def _prepare_direct(self, num_roots: int) -> tuple:
         """Every launch prepared for :mod:`~cascadeinfer.kernels.direct_launch` (the
@@ -601,6 +664,39 @@ def _signature(tensors: Sequence[torch.Tensor], options: tuple, lengthless: tupl
     return tuple(key)
 
 
+def hot_roots(out_slots: tuple[int, bool, bool] | None, num_tensors: int
+              ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """Where a replay's roots come from, for the C++ hot path: per root the index of the
+    call's tensor it is, or -1 where the launcher allocates it; and the roots the call
+    returns. ``out_slots`` is :meth:`Recording.outputs`' note ``(index, out left, lse
+    left)``: the roots are the first ``index`` tensors, then out and lse, each the next
+    tensor where given (None: a launcher without outputs, whose roots are its tensors).
+    None where the tensors do not add up."""
+    if out_slots is None:
+        return tuple(range(num_tensors)), ()
+    index, out_none, lse_none = out_slots
+    sources, t = list(range(index)), index
+    for none in (out_none, lse_none):
+        sources.append(-1 if none else t)
+        t += 0 if none else 1
+    return (tuple(sources), (index, index + 1)) if t == num_tensors else None
+
+
+def _decline(tensors: tuple, options: tuple) -> None:
+    """The hot path of a cache with no entries yet (or none possible): always declines."""
+    return None
+
+
+@functools.cache
+def _hot_module():
+    """The C++ hot path (:mod:`cascadeinfer.kernels.hot_path`), configured with this
+    module's stream scratch blocks, or None."""
+    mod = hot_path.module()
+    if mod is not None:
+        mod.configure(_STREAM_SCRATCH, torch._C._cuda_getCurrentRawStream, knobs.runtime)
+    return mod
+
+
 @dataclass(slots=True)
 class _Recent:
     """A recently replayed signature, checked in C++: ``guards`` (torch's own tensor
@@ -629,9 +725,32 @@ class LaunchCache:
         self._items: OrderedDict[Hashable, Recording] = OrderedDict()
         self._recent: list[_Recent] = []
         self._num_recent = recent if _TensorGuards is not None else 0
+        self._hot = None  # the C++ hot path's entries (a capsule), made on the first bind
+        self.hot = _decline
+
+    def _hot_module(self):
+        mod = _hot_module()
+        if mod is not None and self._hot is None:
+            self._hot = mod.new_cache()
+            self.hot = mod.caller(self._hot)
+        return mod
+
+    def bind(self, program: HotProgram | None, tensors: Sequence[torch.Tensor], options: tuple,
+             lengthless: tuple[int, ...] = ()) -> None:
+        """Give the C++ hot path an entry: calls with ``tensors``' signature and ``options``
+        run ``program`` (None, or CPU tensors: nothing to add). The caller's :attr:`hot`
+        then takes such calls."""
+        if program is None or not tensors or tensors[0].get_device() < 0:
+            return
+        mod = self._hot_module()
+        if mod is not None:
+            mod.add(self._hot, options, tuple(tensors), tuple(lengthless), program.sources, program.templates,
+                    program.returned, program.single, program.steps, tensors[0].get_device(), program.bound,
+                    program.stream, program.base, program.counts, program.scratch_key, program.scratch_block,
+                    program.keep)
 
     def find(self, tensors: Sequence[torch.Tensor], options: tuple = (), *,
-             lengthless: tuple[int, ...] = ()) -> tuple[Recording | None, Hashable, list[int]]:
+             lengthless: tuple[int, ...] = (), hot: bool = False) -> tuple[Recording | None, Hashable, list[int]]:
         """The recording for a call whose tensor arguments are ``tensors`` (every one,
         tuples flattened, in a fixed order) and whose other arguments are ``options``
         (hashable; they must also tell apart calls whose tensors differ in number or
@@ -643,6 +762,10 @@ class LaunchCache:
         record the call under (:func:`recorded`), None while another recording is in
         progress; ``addresses`` are the tensors' data pointers, read once for the alignment
         check and handed on to :meth:`Recording.replay` (``known``).
+
+        ``hot``: the caller asked :attr:`hot` first (``validate=False``) and it declined;
+        a recording found now, whose last replay the hot path can repeat, gets an entry
+        there, so the next such call takes it.
         """
         if _RECORDING.get() is not None:
             return None, None, []
@@ -657,9 +780,13 @@ class LaunchCache:
         if aligned:
             for entry in self._recent:
                 if entry.options == options and entry.count == len(tensors) and entry.guards.check(*tensors):
+                    if hot:
+                        self.bind(entry.rec.hot_program(len(tensors)), tensors, options, lengthless)
                     return entry.rec, None, ptrs
         key = _signature(tensors, options, lengthless)
         rec = self.get(key)
+        if rec is not None and hot and aligned:
+            self.bind(rec.hot_program(len(tensors)), tensors, options, lengthless)
         if rec is not None and self._num_recent and aligned:
             sizes = [list(t.shape) for t in tensors]
             for i in lengthless:
@@ -696,6 +823,8 @@ class LaunchCache:
     def clear(self) -> None:
         self._items.clear()
         self._recent.clear()
+        if self._hot is not None:
+            _hot_module().clear(self._hot)
 
     def __len__(self) -> int:
         return len(self._items)

@@ -263,7 +263,13 @@ def merge_state(
         the union. Two empties give ``(0, -inf)``. An LSE of ``+inf`` or NaN gives
         ``(NaN, NaN)`` in that (row, head) only (see the module docstring).
     """
-    rec, key, ptrs = _MERGE_STATE.find((v_a, s_a, v_b, s_b, *given(out, out_lse)), (out is None, out_lse is None))
+    tensors = (v_a, s_a, v_b, s_b, *given(out, out_lse))
+    options = (out is None, out_lse is None)
+    if not validate:
+        done = _MERGE_STATE.hot(tensors, options)
+        if done is not None:
+            return done
+    rec, key, ptrs = _MERGE_STATE.find(tensors, options, hot=not validate)
     if rec is None:
         check_states(("v_a", "s_a"), v_a, s_a, 3)
         check_states(("v_b", "s_b"), v_b, s_b, 3, shape=v_a.shape, dtype=v_a.dtype, device=v_a.device)
@@ -304,7 +310,10 @@ def merge_state_in_place(
 
     LSE conventions as in :func:`merge_state`.
     """
-    rec, key, ptrs = _MERGE_IN_PLACE.find((v, s, v_other, s_other, *given(mask)), (mask is None,))
+    tensors, options = (v, s, v_other, s_other, *given(mask)), (mask is None,)
+    if not validate and _MERGE_IN_PLACE.hot(tensors, options) is not None:
+        return
+    rec, key, ptrs = _MERGE_IN_PLACE.find(tensors, options, hot=not validate)
     if rec is None:
         check_states(("v", "s"), v, s, 3)
         n, num_heads, head_dim = v.shape

@@ -243,7 +243,12 @@ def merge_states(
         whose states are all empty (or ``num_states == 0``) gives ``(0, -inf)``; an LSE of
         ``+inf`` or NaN gives ``(NaN, NaN)`` in that (row, head) only.
     """
-    rec, key, ptrs = _MERGE_STATES.find((v, s, *given(out, out_lse)), (out is None, out_lse is None))
+    tensors, options = (v, s, *given(out, out_lse)), (out is None, out_lse is None)
+    if not validate:
+        done = _MERGE_STATES.hot(tensors, options)
+        if done is not None:
+            return done
+    rec, key, ptrs = _MERGE_STATES.find(tensors, options, hot=not validate)
     if rec is None:
         check_states(("v", "s"), v, s, 4)
         shape = (v.shape[0], *v.shape[2:])
@@ -295,7 +300,12 @@ def merge_states_ragged(
         ``(v [n, H, D], s [n, H])``, LSE float32 natural log; a row with no states gives
         ``(0, -inf)``; an LSE of ``+inf`` or NaN gives ``(NaN, NaN)`` in that (row, head).
     """
-    rec, key, ptrs = _MERGE_RAGGED.find((v, s, indptr, *given(out, out_lse)), (out is None, out_lse is None))
+    tensors, options = (v, s, indptr, *given(out, out_lse)), (out is None, out_lse is None)
+    if not validate:
+        done = _MERGE_RAGGED.hot(tensors, options)
+        if done is not None:
+            return done
+    rec, key, ptrs = _MERGE_RAGGED.find(tensors, options, hot=not validate)
     if rec is None:
         check_states(("v", "s"), v, s, 3)
         check_int32_vector("indptr", indptr, v.device)

@@ -393,10 +393,13 @@ def batch_prefill_paged(
     path (with ``validate=False``), so the call can be captured in a CUDA graph.
     """
     cache = cache_tensors(paged_kv_cache)
-    rec, key, ptrs = _PAGED.find(
-        (q, qo_indptr, *cache, kv_indptr, kv_indices, kv_last_page_len, *given(out, lse)),
-        (len(cache), out is None, lse is None, causal, kv_layout, sm_scale, num_splits, backend),
-        lengthless=(len(cache) + 3,))
+    tensors = (q, qo_indptr, *cache, kv_indptr, kv_indices, kv_last_page_len, *given(out, lse))
+    options = (len(cache), out is None, lse is None, causal, kv_layout, sm_scale, num_splits, backend)
+    if not validate:
+        done = _PAGED.hot(tensors, options)
+        if done is not None:
+            return done
+    rec, key, ptrs = _PAGED.find(tensors, options, lengthless=(len(cache) + 3,), hot=not validate)
     if rec is not None:  # a call of this signature passed every shape check already
         out, lse = rec.outputs(out, lse, len(cache) + 5)
         if validate and not capturing():
@@ -491,8 +494,13 @@ def batch_prefill_ragged(
         ``(o, lse)``: ``o`` like ``q``; ``lse`` float32 ``[nnz_qo, num_qo_heads]``, natural
         log; ``(0, -inf)`` for a query that sees no key.
     """
-    rec, key, ptrs = _RAGGED.find((q, qo_indptr, k, v, kv_indptr, *given(out, lse)),
-                            (out is None, lse is None, causal, sm_scale))
+    tensors = (q, qo_indptr, k, v, kv_indptr, *given(out, lse))
+    options = (out is None, lse is None, causal, sm_scale)
+    if not validate:
+        done = _RAGGED.hot(tensors, options)
+        if done is not None:
+            return done
+    rec, key, ptrs = _RAGGED.find(tensors, options, hot=not validate)
     if rec is None:
         _check_q(q)
         _check_flag("causal", causal)
@@ -540,7 +548,12 @@ def shared_prefix_attention(
 
     Reads no index tensor at all: the KV split count and the grid come from the shapes.
     """
-    rec, key, ptrs = _SHARED.find((q, k, v, *given(out, lse)), (out is None, lse is None, sm_scale))
+    tensors = (q, k, v, *given(out, lse))
+    options = (out is None, lse is None, sm_scale)
+    done = _SHARED.hot(tensors, options)  # no contents to validate: the shapes say everything
+    if done is not None:
+        return done
+    rec, key, ptrs = _SHARED.find(tensors, options, hot=True)
     if rec is not None:
         out, lse = rec.outputs(out, lse, 3)
         rec.replay((q, k, v, out, lse), known=ptrs[:3])

@@ -200,7 +200,10 @@ def append_paged_kv_cache_rope(
     cache = cache_tensors(paged_kv_cache)
     roots = (q, append_key, append_value, batch_indices, positions, *cache, kv_indices, kv_indptr,
              kv_last_page_len, rope_positions, cos_sin_cache)
-    rec, key, ptrs = _LAUNCHES.find(roots, (len(cache), kv_layout), lengthless=(5 + len(cache),))
+    options = (len(cache), kv_layout)
+    if not validate and _LAUNCHES.hot(roots, options) is not None:
+        return
+    rec, key, ptrs = _LAUNCHES.find(roots, options, lengthless=(5 + len(cache),), hot=not validate)
     if rec is not None:  # a call of this signature passed every shape check already
         if validate and not capturing():
             _check_values(unpack_paged_kv_cache(paged_kv_cache, kv_layout), batch_indices, positions, kv_indices,

@@ -1,0 +1,77 @@
+"""The hot path of a replayed call, built as a C++ extension of PyTorch on first use.
+
+A launcher called with ``validate=False`` and a signature it has replayed before hands
+its tensors and options to its :class:`~cascadeinfer.kernels.launch.LaunchCache`'s
+``hot`` first: one C++ call (``hot_path.cpp``) recognises the signature, allocates the
+outputs the caller left out, and enqueues the recording's kernels through the direct
+launches of :mod:`cascadeinfer.kernels.direct_launch` (benchmarks/NOTES.md, "Host cost"
+v10). Where it declines, or where this module cannot be built, the Python path runs as
+before, with the same result.
+
+The module is compiled once per source text, torch version and Python ABI with the C++
+compiler PyTorch extensions use (``$CXX``, else ``c++``), against the headers and
+libraries of the installed torch, and cached under ``$CASCADEINFER_CACHE_DIR`` (default
+``~/.cache/cascadeinfer``); the first build takes 10-30 s. ``CASCADEINFER_HOT_PATH=0``
+turns it off.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import logging
+import os
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+
+import torch
+
+from cascadeinfer.kernels import direct_launch
+
+_LOG = logging.getLogger(__name__)
+_NAME = "cascadeinfer_hot_path"
+
+
+def _build(src: str, target: Path) -> None:
+    from torch.utils import cpp_extension  # noqa: PLC0415 - only for a build
+    from triton.backends.nvidia.driver import include_dirs  # noqa: PLC0415 - Triton's cuda.h
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cpp = Path(tmp) / "hot_path.cpp"
+        cpp.write_text(src)
+        out = Path(tmp) / target.name
+        cmd = [os.environ.get("CXX", "c++"), "-O2", "-shared", "-fPIC", "-std=c++20", "-w", str(cpp), "-o", str(out),
+               f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+               *(f"-I{d}" for d in [*cpp_extension.include_paths(), *include_dirs, sysconfig.get_paths()["include"]]),
+               *(f"-L{d}" for d in cpp_extension.library_paths()),
+               "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python"]
+        subprocess.run(cmd, check=True, capture_output=True, text=True)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(out, target)  # atomic: a concurrent build of the same source writes the same bytes
+
+
+@functools.cache
+def module():
+    """The compiled module, or None where the hot path is off or cannot be built."""
+    if os.environ.get("CASCADEINFER_HOT_PATH", "1") == "0" or direct_launch.module() is None:
+        return None
+    try:
+        src = direct_launch.source("hot_path.cpp")
+        digest = hashlib.sha256("\0".join([src, torch.__version__, sys.version, _NAME]).encode()).hexdigest()[:24]
+        root = Path(os.environ.get("CASCADEINFER_CACHE_DIR", Path.home() / ".cache" / "cascadeinfer"))
+        target = root / digest / (_NAME + sysconfig.get_config_var("EXT_SUFFIX"))
+        if not target.exists():
+            _build(src, target)
+        spec = importlib.util.spec_from_file_location(_NAME, target)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    except Exception as exc:  # noqa: BLE001 - any build or load failure means: the Python path
+        detail = getattr(exc, "stderr", "") or ""
+        _LOG.warning("cascadeinfer: the C++ hot path is unavailable (%s%s); replays take the Python path",
+                     exc, ": " + detail[-500:] if detail else "")
+        return None
+    return mod
