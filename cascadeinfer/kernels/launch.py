@@ -26,6 +26,11 @@ launcher records its first call and replays the recording afterwards:
   is what CI tests.
 - :class:`LaunchCache` keeps a launcher's recordings; :meth:`LaunchCache.find` recognises
   a signature seen lately through torch's C++ tensor guards before it builds a key.
+- ``LaunchCache.hot`` (:mod:`cascadeinfer.kernels.hot_path`) does a whole replay in one
+  C++ call: a launcher called with ``validate=False`` asks it first. Its entries are made
+  (:meth:`LaunchCache.bind`) from replays the Python path completed through the direct
+  launcher (:meth:`Recording.hot_program`), so it repeats exactly what they did, and it
+  declines where it cannot.
 
 A replay is exact only for a call with the recorded signature: the caller keys its
 recordings by :func:`call_key`, which holds every property the launcher's host work and
@@ -718,6 +723,9 @@ class LaunchCache:
     returned, compared in C++ by torch's tensor guards (about 0.1 µs per tensor), then by
     the full :func:`call_key` (about 1 µs per tensor in Python). An engine calling a
     launcher with one or two signatures per step pays only the first.
+
+    :attr:`hot` ``(tensors, options) -> outputs or None`` is the C++ hot path over the
+    signatures :meth:`bind` gave it (a function that always declines until the first).
     """
 
     def __init__(self, maxsize: int = 64, recent: int = 4) -> None:
