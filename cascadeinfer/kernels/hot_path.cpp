@@ -7,9 +7,10 @@
  * address must be 16-byte aligned (Triton specialised the kernels on it); then the call
  * allocates the outputs the caller left out, patches the roots' addresses into the
  * recording's packed launches and enqueues them (for a cascade's run, on its two streams
- * with the events between them), and returns the call's outputs. What
- * the Python path does in the same case (torch's tensor guards, `empty_like`, the stream
- * and scratch lookups, the C launcher) costs 8-12 µs of CPU more per call.
+ * with the events between them), and returns the call's outputs. The Python path does
+ * the same through a dozen calls into C (torch's tensor guards, `empty_like`, the stream
+ * and scratch lookups, the C launcher): about twice the CPU time (benchmarks/NOTES.md,
+ * "Host cost" v10).
  *
  * Whatever this path cannot do exactly as the Python path would, it declines (returns
  * None) and the Python path runs: a profiler's launch hooks set, a stream other than the
