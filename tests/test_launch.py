@@ -357,13 +357,14 @@ def test_direct_launch_packs_parameters_as_the_driver_reads_them():
 
     types = ["*bf16", "i32", "constexpr", "fp32", "*fp32", "i64", "bf16", "i1"]
     values = [0, 7, 64, 0.5, 4096, -(2 ** 40), 1.5, True]
-    data, offsets, patches = direct_launch.pack_params(types, values, {0: (1, 32), 4: (2, 0)})
+    data, offsets, patches, tmas, sizes = direct_launch.pack_params(types, values, {0: (1, 32), 4: (2, 0)})
     offs = struct.unpack(f"<{len(offsets) // 2}H", offsets)
     assert offs == (0, 8, 12, 16, 24, 32, 34, 40, 48)  # 7 parameters, then the two scratch pointers
-    assert patches == [(0, 1, 32), (16, 2, 0)]
+    assert sizes == [8, 4, 4, 8, 8, 2, 1, 8, 8]
+    assert patches == [(0, 1, 32), (16, 2, 0)] and tmas == []
     mod = direct_launch.module()
     assert mod is not None, "the direct-launch module must build wherever Triton's launchers do"
-    launch = mod.prepare(0, 1, 1, 1, 128, 0, False, False, data, offsets, patches)
+    launch = mod.prepare(0, 1, 1, 1, 128, 0, False, False, data, offsets, patches, tmas)
     raw = mod.pack(launch, (5, 1000, 2000))
     assert struct.unpack_from("<Q", raw, 0)[0] == 1032 and struct.unpack_from("<Q", raw, 16)[0] == 2000
     assert struct.unpack_from("<i", raw, 8)[0] == 7 and struct.unpack_from("<f", raw, 12)[0] == 0.5
@@ -371,7 +372,40 @@ def test_direct_launch_packs_parameters_as_the_driver_reads_them():
     assert raw[32:34] == bytes.fromhex("c03f") and raw[34] == 1  # bf16 1.5, i1 True
     assert raw[40:56] == bytes(16)
     with pytest.raises(ValueError, match="outside"):
-        mod.prepare(0, 1, 1, 1, 128, 0, False, False, data, offsets, [(len(data) - 4, 0, 0)])
+        mod.prepare(0, 1, 1, 1, 128, 0, False, False, data, offsets, [(len(data) - 4, 0, 0)], [])
+
+
+def test_direct_launch_packs_a_tma_descriptor_as_tritons_launcher_passes_it():
+    """A TMA descriptor parameter over a root becomes a 64-byte aligned 128-byte slot for
+    its CUtensorMap (encoded at each launch: innermost dimension first, strides in bytes,
+    the block's box, NaN padding as the OOB fill), then its shape (i32) and strides (i64),
+    as Triton 3.6's ``make_tensordesc_arg`` passes them."""
+    import struct
+    from types import SimpleNamespace
+
+    from cascadeinfer.kernels import direct_launch
+
+    desc = SimpleNamespace(shape=[4096, 128], strides=[256, 1], padding="nan")
+    meta = {"swizzle": 3, "elem_size": 2, "elem_type": 10, "block_size": [16, 128], "fp4_padded": False}
+    types = ["i32", "tensordesc<bf16[16, 128]>", "*fp32"]
+    packed = direct_launch.pack_params(types, [5, desc, 0], {1: (0, 64), 2: (1, 0)}, [meta])
+    offs = struct.unpack(f"<{len(packed.offsets) // 2}H", packed.offsets)
+    assert offs == (0, 64, 192, 196, 200, 208, 216, 224, 232)  # i32, map, 2 x i32, 2 x i64, ptr, scratch x 2
+    assert packed.sizes == [4, 128, 4, 4, 8, 8, 8, 8, 8]
+    assert struct.unpack_from("<iiqq", packed.data, 192) == (4096, 128, 256, 1)
+    assert packed.patches == [(216, 1, 0)]
+    from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
+
+    assert packed.tmas == [(64, 0, 64, TMA_DTYPE_DEVICE_TO_HOST[10], 2, (128, 4096), (512,), (128, 16), 3, 1)]
+    mod = direct_launch.module()
+    launch = mod.prepare(0, 1, 1, 1, 128, 0, False, False, packed.data, packed.offsets, packed.patches,
+                         packed.tmas)
+    assert launch is not None
+    bad = [(packed.tmas[0][0] + 8, *packed.tmas[0][1:])]
+    with pytest.raises(ValueError, match="alignment"):
+        mod.prepare(0, 1, 1, 1, 128, 0, False, False, packed.data, packed.offsets, packed.patches, bad)
+    with pytest.raises(NotImplementedError, match="root"):
+        direct_launch.pack_params(types, [5, desc, 0], {2: (1, 0)}, [meta])
 
 
 @pytest.mark.gpu

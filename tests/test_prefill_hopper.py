@@ -357,6 +357,45 @@ def test_hopper_eager_replay_repoints_descriptors(form, splits):
 
 @hopper_gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("form", ["single", "tuple"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_hopper_replays_through_the_direct_launcher_and_the_hot_path(monkeypatch, form, splits):
+    """The Hopper kernel's replays go out through the direct launcher, its TMA descriptors
+    encoded at each launch on the new addresses (checked against Triton's encoding when
+    prepared), and then through the C++ hot path: bit for bit what Triton's launcher
+    computes, on new tensors every call."""
+    from cascadeinfer.kernels import launch as L
+
+    device = torch.device("cuda")
+    P._PAGED.clear()
+    shape = dict(qo_lens=[64, 30], kv_lens=[2000, 700], hkv=8, group=4, head_dim=128, dtype=torch.bfloat16,
+                 page_size=16, form=form)
+
+    def call(seed):
+        _, args = _case(device, seed=seed, **shape)
+        return args, batch_prefill_paged(*args, validate=False, num_splits=splits, backend="hopper")
+
+    for seed in range(3):  # records, replays (prepares the direct launches), replays and binds
+        call(seed)
+    rec = next(r for r in P._PAGED._items.values() if any(ln.descriptors for ln in r.launches))
+    assert rec._direct and len(rec._direct) == len(rec.launches), "the Hopper launches were not prepared"
+    assert L._hot_module().size(P._PAGED._hot) == 1
+    args, (o, lse) = call(10)  # the hot path
+    with monkeypatch.context() as m:  # Triton's launcher, on the same inputs
+        m.setattr(P._PAGED, "hot", lambda *a: None)
+        m.setattr(rec, "_direct", ())
+        o_ref, lse_ref = batch_prefill_paged(*args, validate=False, num_splits=splits, backend="hopper")
+    torch.testing.assert_close(o, o_ref, atol=0, rtol=0)
+    torch.testing.assert_close(lse, lse_ref, atol=0, rtol=0)
+    check_state(o, lse, *P.batch_prefill_paged_ref(*args), torch.bfloat16)
+    monkeypatch.setattr(L.LaunchCache, "find", lambda *a, **k: pytest.fail("the call took the Python path"))
+    for seed in (11, 12):
+        args, (o, lse) = call(seed)
+        check_state(o, lse, *P.batch_prefill_paged_ref(*args), torch.bfloat16)
+
+
+@hopper_gpu
+@pytest.mark.gpu
 def test_hopper_is_the_default_for_a_large_group():
     """backend=None runs the Hopper kernel on one group of 2^23 packed rows x keys (256
     queries x G 4 over 8192 keys), the portable kernel below it; both against float64."""

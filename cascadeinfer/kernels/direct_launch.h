@@ -33,6 +33,18 @@ typedef struct {
   int64_t add;     /* byte offset from that address */
 } Patch;
 
+/* A TMA descriptor parameter (a CUtensorMap passed by value) over a root: encoded anew for
+ * each launch at the root's address, with everything else as Triton's launcher encodes it
+ * (checked byte for byte against Triton's encoding when prepared: direct_launch.py). */
+typedef struct {
+  uint16_t offset; /* byte offset of the 128-byte CUtensorMap in the parameter bytes */
+  uint16_t root;
+  int64_t add;
+  uint32_t elem_type, rank, swizzle, fill;
+  uint64_t shape[5], strides[5]; /* innermost first; strides in bytes, rank - 1 of them */
+  uint32_t block[5];
+} Tma;
+
 typedef struct {
   CUfunction function;
   unsigned int grid[3];
@@ -46,10 +58,18 @@ typedef struct {
   Patch *patches;
   int size;
   unsigned char *bytes; /* the parameter bytes, addresses of fixed tensors included */
+  int num_tmas;
+  Tma *tmas;
 } Launch;
 
 #define LAUNCH_CAPSULE "cascadeinfer.Launch"
 
+typedef CUresult (*encode_tiled_t)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *, const cuuint64_t *,
+                                   const cuuint64_t *, const cuuint32_t *, const cuuint32_t *, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+typedef CUresult (*func_param_info_t)(CUfunction, size_t, size_t *, size_t *);
+static encode_tiled_t encode_tiled = NULL;
+static func_param_info_t func_param_info = NULL;
 typedef CUresult (*stream_is_capturing_t)(CUstream, CUstreamCaptureStatus *);
 typedef CUresult (*event_record_t)(CUevent, CUstream);
 typedef CUresult (*stream_wait_event_t)(CUstream, CUevent, unsigned int);
@@ -57,13 +77,32 @@ static stream_is_capturing_t stream_is_capturing = NULL;
 static event_record_t event_record = NULL;
 static stream_wait_event_t stream_wait_event = NULL;
 
-/* The parameter bytes of `l` for the addresses `roots`. */
-static void fill(const Launch *l, const uint64_t *roots, unsigned char *buf) {
+/* Encode the TMA descriptor `t` at `address` into `out` (128 bytes, 64-byte aligned), as
+ * Triton 3.6's launcher does: interleave none, L2 promotion 128B, element strides 1. */
+static CUresult encode_tma(const Tma *t, uint64_t address, void *out) {
+  if (!encode_tiled)
+    return CUDA_ERROR_NOT_SUPPORTED;
+  cuuint32_t element_strides[5] = {1, 1, 1, 1, 1};
+  return encode_tiled((CUtensorMap *)out, (CUtensorMapDataType)t->elem_type, t->rank, (void *)(uintptr_t)address,
+                      t->shape, t->strides, t->block, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                      (CUtensorMapSwizzle)t->swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                      (CUtensorMapFloatOOBfill)t->fill);
+}
+
+/* The parameter bytes of `l` for the addresses `roots` (`buf` 128-byte aligned). */
+static CUresult fill(const Launch *l, const uint64_t *roots, unsigned char *buf) {
   memcpy(buf, l->bytes, (size_t)l->size);
   for (int i = 0; i < l->num_patches; i++) {
     uint64_t address = roots[l->patches[i].root] + (uint64_t)l->patches[i].add;
     memcpy(buf + l->patches[i].offset, &address, sizeof(address));
   }
+  for (int i = 0; i < l->num_tmas; i++) {
+    const Tma *t = &l->tmas[i];
+    CUresult status = encode_tma(t, roots[t->root] + (uint64_t)t->add, buf + t->offset);
+    if (status != CUDA_SUCCESS)
+      return status;
+  }
+  return CUDA_SUCCESS;
 }
 
 static int load_driver(void) {
@@ -77,6 +116,8 @@ static int load_driver(void) {
   error_string = (error_string_t)dlsym(lib, "cuGetErrorString");
   ctx_get_current = (ctx_get_current_t)dlsym(lib, "cuCtxGetCurrent");
   stream_is_capturing = (stream_is_capturing_t)dlsym(lib, "cuStreamIsCapturing");
+  encode_tiled = (encode_tiled_t)dlsym(lib, "cuTensorMapEncodeTiled");
+  func_param_info = (func_param_info_t)dlsym(lib, "cuFuncGetParamInfo");
   event_record = (event_record_t)dlsym(lib, "cuEventRecord");
   stream_wait_event = (stream_wait_event_t)dlsym(lib, "cuStreamWaitEvent");
   launch_ex = (launch_ex_t)dlsym(lib, "cuLaunchKernelEx");
@@ -101,9 +142,11 @@ static int has_context(void) {
 static CUresult launch_one(const Launch *l, const uint64_t *roots, CUstream stream, int release_gil) {
   if ((uint64_t)l->grid[0] * l->grid[1] * l->grid[2] == 0)
     return CUDA_SUCCESS;
-  unsigned char buf[MAX_BYTES] __attribute__((aligned(16)));
+  unsigned char buf[MAX_BYTES] __attribute__((aligned(128)));
   void *params[MAX_PARAMS];
-  fill(l, roots, buf);
+  CUresult filled = fill(l, roots, buf);
+  if (filled != CUDA_SUCCESS)
+    return filled;
   for (int i = 0; i < l->num_params; i++)
     params[i] = buf + l->offsets[i];
   CUlaunchAttribute attrs[2];

@@ -245,7 +245,7 @@ PyObject *call(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   for (const Step &step : hit->steps) {
     CUstream on = reinterpret_cast<CUstream>(step.current ? stream : step.stream);
     CUresult status = CUDA_SUCCESS;
-    const char *what = "cuLaunchKernelEx";
+    const char *what = "a launch (cuTensorMapEncodeTiled, cuLaunchKernelEx)";
     if (step.kind == kLaunch) {
       for (const Launch *l : step.launches) {
         status = launch_one(l, roots, on, 0);

@@ -324,13 +324,16 @@ class Recording:
         ``()`` if any one cannot be."""
         prepared = []
         for ln in self.launches:
-            if ln.descriptors:  # encoded per launch by Triton's launcher (the C launcher packs fixed bytes)
-                prepared = []
-                break
             patches = {i - _HEAD: (r, off) for i, r, off in ln.roots}
             patches.update({i - _HEAD: (num_roots, off) for i, off in ln.scratch})
             patches.update({i - _HEAD: (num_roots + 1, off) for i, off in ln.counters})
-            one = direct_launch.prepare(ln.compiled, ln.grid, ln.args[_HEAD:], patches)
+            params = ln.args[_HEAD:]
+            if ln.descriptors:  # TMA descriptors over a root: encoded at each launch (direct_launch)
+                params = list(params)
+                for i, r, off, desc in ln.descriptors:
+                    params[i - _HEAD] = desc
+                    patches[i - _HEAD] = (r, off)
+            one = direct_launch.prepare(ln.compiled, ln.grid, params, patches)
             if one is None:
                 prepared = []
                 break

@@ -33,8 +33,9 @@ beside a decode level on a side stream (the cascade's schedule) it holds its SMs
 (``backend="hopper"``) and, with ``backend=None``, for one large group (at head_dim 128:
 >= 256 packed rows, >= 2^23 packed rows x keys; :mod:`cascadeinfer.kernels.backend`); the
 cascade only when asked. Its TMA
-descriptors hold the cache's address: recordings re-point them in every replay, which
-goes through Triton's launcher (it encodes them) rather than the direct one.
+descriptors hold the cache's address: recordings re-point them in every replay, which the
+direct launcher encodes at each launch as Triton's launcher would (checked byte for byte
+when prepared; :mod:`cascadeinfer.kernels.direct_launch`).
 
 Numerics are the portable kernel's: scores in base 2 (``qk_scale = sm_scale * log2(e)``),
 float32 state, ``finish_state``'s rules for empty rows ``(0, -inf)`` and poisoned rows
