@@ -214,7 +214,8 @@ def prepare(compiled, grid: tuple[int, int, int], params: list, patches: dict[in
         return mod.prepare(int(compiled.function), *grid, 32 * num_warps, shared,
                            bool(launcher.launch_pdl), bool(launcher.launch_cooperative_grid),
                            packed.data, packed.offsets, packed.patches, packed.tmas)
-    except (AttributeError, NotImplementedError, TypeError, ValueError, RuntimeError, struct.error) as exc:
+    except (AttributeError, LookupError, NotImplementedError, TypeError, ValueError, RuntimeError,
+            struct.error) as exc:
         _LOG.debug("cascadeinfer: %s launched through Triton (%s)", getattr(compiled, "name", "?"), exc)
         return None
 
