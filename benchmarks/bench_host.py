@@ -73,6 +73,7 @@ from cascadeinfer import (
     merge_state,
     merge_states,
 )
+from cascadeinfer.kernels import hot_path
 from cascadeinfer.kernels.backend import hopper_unavailable
 
 HOST_SHAPES = ((64, 8192, 256), (4, 16384, 16384), (8, 128, 2048))  # (batch, prefix, suffix)
@@ -274,6 +275,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("bench_host needs a CUDA device")
     device = torch.device("cuda", torch.cuda.current_device())
+    if hot_path.module() is None:  # built now, not in the background while rows are timed
+        print("# the C++ hot path is unavailable: every row of ours takes the Python path", flush=True)
     fi = load_flashinfer()
     env = environment()
     print(f"# {env}", flush=True)

@@ -72,6 +72,16 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_interpreter()
 
 
+def pytest_configure(config):
+    """On a GPU, build the launchers' C++ hot path before any test: launchers otherwise
+    build it on a background thread and take the Python path until it is done, so which
+    path a test exercised would depend on timing."""
+    if HAS_GPU:
+        from cascadeinfer.kernels import hot_path
+
+        hot_path.module()
+
+
 def pytest_collection_modifyitems(config, items):
     if HAS_GPU:
         return

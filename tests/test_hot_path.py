@@ -10,6 +10,8 @@ profiler's hooks) the Python path gives the same answer.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -99,6 +101,51 @@ def test_entries_are_replaced_per_signature_and_bounded():
                 0, 0, None, None, None)
     mod.clear(cache)
     assert mod.size(cache) == 0
+
+
+def test_the_first_build_runs_in_the_background(monkeypatch, tmp_path, caplog):
+    """A launcher never waits for the compiler: the first ask starts the build on a thread
+    and gets None (the Python path) until the module is there; a failed build is reported
+    once and the Python path stays."""
+    import shutil
+    import threading
+
+    built = hot_path._target()[1]
+    assert hot_path.module() is not None and built.exists()
+    release = threading.Event()
+
+    def slow_build(src, target):
+        release.wait(60)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(built, target)
+
+    def failed_build(src, target):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setenv("CASCADEINFER_CACHE_DIR", str(tmp_path / "first"))
+    monkeypatch.setattr(hot_path, "_build", slow_build)
+    for attr, value in (("thread", None), ("error", None), ("gave_up", False)):
+        monkeypatch.setattr(hot_path._Background, attr, value)
+    hot_path.module.cache_clear()
+    try:
+        assert hot_path.module_if_ready() is None  # the build starts
+        assert hot_path.module_if_ready() is None  # still building
+        release.set()
+        hot_path._Background.thread.join(60)
+        mod = hot_path.module_if_ready()
+        assert mod is not None and Path(mod.__file__).is_relative_to(tmp_path)
+
+        hot_path.module.cache_clear()
+        monkeypatch.setenv("CASCADEINFER_CACHE_DIR", str(tmp_path / "second"))
+        monkeypatch.setattr(hot_path, "_build", failed_build)
+        monkeypatch.setattr(hot_path._Background, "thread", None)
+        assert hot_path.module_if_ready() is None
+        hot_path._Background.thread.join(60)
+        with caplog.at_level("WARNING"):
+            assert hot_path.module_if_ready() is None and hot_path.module_if_ready() is None
+        assert sum("no compiler here" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        hot_path.module.cache_clear()  # the next caller loads the build in the default place again
 
 
 def test_roots_of_a_replay():

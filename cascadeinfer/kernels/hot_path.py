@@ -11,8 +11,9 @@ before, with the same result.
 The module is compiled once per source text, torch version and Python ABI with the C++
 compiler PyTorch extensions use (``$CXX``, else ``c++``), against the headers and
 libraries of the installed torch, and cached under ``$CASCADEINFER_CACHE_DIR`` (default
-``~/.cache/cascadeinfer``); the first build takes 10-30 s. ``CASCADEINFER_HOT_PATH=0``
-turns it off.
+``~/.cache/cascadeinfer``). The first build takes 10-30 s on a background thread, started by
+the first replay that could use it; until it is done replays take the Python path.
+``CASCADEINFER_HOT_PATH=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -54,24 +56,89 @@ def _build(src: str, target: Path) -> None:
         os.replace(out, target)  # atomic: a concurrent build of the same source writes the same bytes
 
 
+def _target() -> tuple[str, Path]:
+    """The module's source text and where its build for this torch and Python lives."""
+    src = direct_launch.source("hot_path.cpp")
+    digest = hashlib.sha256("\0".join([src, torch.__version__, sys.version, _NAME]).encode()).hexdigest()[:24]
+    root = Path(os.environ.get("CASCADEINFER_CACHE_DIR", Path.home() / ".cache" / "cascadeinfer"))
+    return src, root / digest / (_NAME + sysconfig.get_config_var("EXT_SUFFIX"))
+
+
+def _load(target: Path):
+    spec = importlib.util.spec_from_file_location(_NAME, target)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _unavailable(exc: Exception) -> None:
+    detail = getattr(exc, "stderr", "") or ""
+    _LOG.warning("cascadeinfer: the C++ hot path is unavailable (%s%s); replays take the Python path",
+                 exc, ": " + detail[-500:] if detail else "")
+
+
+def _off() -> bool:
+    return os.environ.get("CASCADEINFER_HOT_PATH", "1") == "0" or direct_launch.module() is None
+
+
 @functools.cache
 def module():
-    """The compiled module, or None where the hot path is off or cannot be built."""
-    if os.environ.get("CASCADEINFER_HOT_PATH", "1") == "0" or direct_launch.module() is None:
+    """The compiled module (built now if it is not yet), or None where the hot path is off
+    or cannot be built."""
+    if _off():
         return None
     try:
-        src = direct_launch.source("hot_path.cpp")
-        digest = hashlib.sha256("\0".join([src, torch.__version__, sys.version, _NAME]).encode()).hexdigest()[:24]
-        root = Path(os.environ.get("CASCADEINFER_CACHE_DIR", Path.home() / ".cache" / "cascadeinfer"))
-        target = root / digest / (_NAME + sysconfig.get_config_var("EXT_SUFFIX"))
+        src, target = _target()
         if not target.exists():
             _build(src, target)
-        spec = importlib.util.spec_from_file_location(_NAME, target)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
+        return _load(target)
     except Exception as exc:  # noqa: BLE001 - any build or load failure means: the Python path
-        detail = getattr(exc, "stderr", "") or ""
-        _LOG.warning("cascadeinfer: the C++ hot path is unavailable (%s%s); replays take the Python path",
-                     exc, ": " + detail[-500:] if detail else "")
+        _unavailable(exc)
         return None
-    return mod
+
+
+class _Background:
+    """The build started by :func:`module_if_ready`: its thread, and its error if it failed."""
+
+    thread: threading.Thread | None = None
+    error: Exception | None = None
+    gave_up = False  # the error was reported: the Python path from now on
+
+    @classmethod
+    def start(cls, src: str, target: Path) -> None:
+        def build() -> None:
+            try:
+                _build(src, target)
+            except Exception as exc:  # noqa: BLE001 - reported by the next module_if_ready
+                cls.error = exc
+
+        cls.thread = threading.Thread(target=build, name="cascadeinfer-hot-path-build", daemon=True)
+        cls.thread.start()
+
+
+def module_if_ready():
+    """The compiled module where it is built already (by this process or an earlier one),
+    else None at once: the first such call starts the build on a background thread, so
+    that no launcher call waits for a compiler (replays take the Python path meanwhile)."""
+    if module.cache_info().currsize:
+        return module()
+    if _off() or _Background.gave_up:
+        return None
+    if _Background.thread is None:
+        try:
+            src, target = _target()
+        except Exception as exc:  # noqa: BLE001 - no build possible: the Python path
+            _unavailable(exc)
+            _Background.gave_up = True
+            return None
+        if target.exists():
+            return module()
+        _Background.start(src, target)
+        return None
+    if _Background.thread.is_alive():
+        return None
+    if _Background.error is not None:
+        _unavailable(_Background.error)
+        _Background.gave_up = True
+        return None
+    return module()

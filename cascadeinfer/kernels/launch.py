@@ -42,7 +42,6 @@ package pins); a kernel that needs launch-time scratch memory is never replayed.
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator, Sequence
 from contextvars import ContextVar
@@ -695,13 +694,18 @@ def _decline(tensors: tuple, options: tuple) -> None:
     return None
 
 
-@functools.cache
+_HOT: list = []  # the configured C++ hot path, once it is loaded
+
+
 def _hot_module():
     """The C++ hot path (:mod:`cascadeinfer.kernels.hot_path`), configured with this
-    module's stream scratch blocks, or None."""
-    mod = hot_path.module()
+    module's stream scratch blocks, or None (off, unavailable, or still being built)."""
+    if _HOT:
+        return _HOT[0]
+    mod = hot_path.module_if_ready()
     if mod is not None:
         mod.configure(_STREAM_SCRATCH, torch._C._cuda_getCurrentRawStream, knobs.runtime)
+        _HOT.append(mod)
     return mod
 
 
