@@ -510,3 +510,21 @@ def test_split_merge_holds_under_a_full_grid():
         torch.testing.assert_close(lse, lse_ref, atol=1e-4, rtol=1e-4)
     torch.cuda.synchronize()
     assert not any(b.any() for b in launch_mod._STREAM_COUNTERS.values())
+
+
+def test_stream_blocks_are_kept_for_the_streams_used_last(monkeypatch):
+    """The per-stream scratch and counter blocks are kept for the last few streams only:
+    a program that makes a stream per task does not keep a block per stream it made."""
+    blocks = {}
+    monkeypatch.setattr(launch_mod, "_STREAM_COUNTERS", blocks)
+    device = torch.device("cpu")
+    for stream in range(1, launch_mod._STREAMS_KEPT + 5):  # the current stream each time: no stream switch
+        block = launch_mod._stream_counters(device, 0, stream, stream, 256)
+        assert blocks[(0, stream)] is block and not block.any()
+    assert len(blocks) == launch_mod._STREAMS_KEPT
+    assert min(s for _, s in blocks) == 5  # the oldest four dropped
+    scratch = {(0, s): torch.empty(1) for s in range(launch_mod._STREAMS_KEPT)}
+    again = torch.empty(1)
+    launch_mod._keep(scratch, (0, 0), again)  # used again: now the most recent
+    launch_mod._keep(scratch, (0, 99), torch.empty(1))
+    assert (0, 0) in scratch and (0, 1) not in scratch and scratch[(0, 0)] is again

@@ -265,7 +265,7 @@ class Recording:
                 if self._launch_cuda(ptrs, stream, block.data_ptr(), counts) and hot:
                     self._hot_state = (True, stream, block.data_ptr(), counts, where, block, counts_block)
             finally:
-                _STREAM_SCRATCH[where] = block
+                _keep(_STREAM_SCRATCH, where, block)
             return
         # The scratch is taken from PyTorch's caching allocator on this stream and given
         # back once the kernels are enqueued, as a temporary tensor would be (stream-ordered
@@ -587,9 +587,22 @@ def counters(n: int, device: torch.device) -> torch.Tensor:
 # (device index, raw stream) -> the zeroed counter block of replays on that stream.
 _STREAM_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
 # (device index, raw stream) -> the scratch block of replays on that stream, while none has it
-# checked out. Like the counter blocks, kept for every stream that ever replayed there (at
-# most _STREAM_SCRATCH_BYTES each; an engine uses a few streams).
+# checked out (at most _STREAM_SCRATCH_BYTES each).
 _STREAM_SCRATCH: dict[tuple[int, int], torch.Tensor] = {}
+# Blocks are kept for the _STREAMS_KEPT streams that replayed last (an engine uses a few);
+# a program that makes a stream per task does not keep a block per stream it ever made.
+_STREAMS_KEPT = 16
+
+
+def _keep(blocks: dict[tuple[int, int], torch.Tensor], where: tuple[int, int], block: torch.Tensor) -> None:
+    """``blocks[where] = block`` as the most recent entry, dropping the oldest past
+    ``_STREAMS_KEPT``. A dropped block goes back to the caching allocator on its own
+    stream, reused there only behind the kernels already enqueued (a recording or a hot
+    path entry that still holds it keeps it alive)."""
+    blocks.pop(where, None)
+    blocks[where] = block
+    while len(blocks) > _STREAMS_KEPT:
+        del blocks[next(iter(blocks))]
 
 
 def _stream_block(device: torch.device, stream: int, current: int, nbytes: int,
@@ -621,7 +634,7 @@ def _stream_counters(device: torch.device, device_index: int, stream: int, curre
         size = max(nbytes // 4, 0 if block is None else 2 * block.numel())
         # zeroed on the stream whose kernels will count in it
         block = _on_stream(stream, current, device, lambda: torch.zeros(size, dtype=torch.int32, device=device))
-        _STREAM_COUNTERS[(device_index, stream)] = block
+        _keep(_STREAM_COUNTERS, (device_index, stream), block)
     return block
 
 
