@@ -42,18 +42,23 @@ def _build(src: str, target: Path) -> None:
     from torch.utils import cpp_extension  # noqa: PLC0415 - only for a build
     from triton.backends.nvidia.driver import include_dirs  # noqa: PLC0415 - Triton's cuda.h
 
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Built beside the target and renamed onto it (atomic within one file system): a
+    # concurrent build of the same source writes the same bytes.
+    out = target.with_name(f".{target.name}.{os.getpid()}.{threading.get_ident()}")
     with tempfile.TemporaryDirectory() as tmp:
         cpp = Path(tmp) / "hot_path.cpp"
         cpp.write_text(src)
-        out = Path(tmp) / target.name
         cmd = [os.environ.get("CXX", "c++"), "-O2", "-shared", "-fPIC", "-std=c++20", "-w", str(cpp), "-o", str(out),
                f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
                *(f"-I{d}" for d in [*cpp_extension.include_paths(), *include_dirs, sysconfig.get_paths()["include"]]),
                *(f"-L{d}" for d in cpp_extension.library_paths()),
                "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python"]
-        subprocess.run(cmd, check=True, capture_output=True, text=True)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(out, target)  # atomic: a concurrent build of the same source writes the same bytes
+        try:
+            subprocess.run(cmd, check=True, capture_output=True, text=True)
+            os.replace(out, target)
+        finally:
+            out.unlink(missing_ok=True)
 
 
 def _target() -> tuple[str, Path]:
