@@ -410,13 +410,20 @@ def whole_sm_decode_programs(batch: int, num_qo_heads: int, num_kv_heads: int, h
     programs to end before it starts: the level then ends that much later
     (``MultiLevelCascadeAttention`` gives its prefill level the whole grid then).
     """
+    cfg, programs, num_sms = _per_request_plan(batch, num_kv_heads, head_dim, dtype, page_size, device,
+                                               group_size=num_qo_heads // num_kv_heads)
+    return programs if cfg.programs_per_sm == 1 and programs <= num_sms else 0
+
+
+def _per_request_plan(batch: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, page_size: int,
+                      device: torch.device | str, *, group_size: int | None = None) -> tuple[DecodeConfig, int, int]:
+    """The per-request plan's config (:func:`pick_decode_config`), its programs (every
+    (request, kv head) pair times :func:`decode_num_splits`) and the SMs it plans for."""
     dev = torch.device(device)
     num_sms = planning_sms(dev)
     work = max(1, batch * num_kv_heads)
-    cfg = pick_decode_config(head_dim, dtype, page_size, work=work, num_sms=num_sms,
-                             group_size=num_qo_heads // num_kv_heads)
-    programs = work * decode_num_splits(batch, num_kv_heads, dev, programs_per_sm=cfg.programs_per_sm)
-    return programs if cfg.programs_per_sm == 1 and programs <= num_sms else 0
+    cfg = pick_decode_config(head_dim, dtype, page_size, work=work, num_sms=num_sms, group_size=group_size)
+    return cfg, work * decode_num_splits(batch, num_kv_heads, dev, programs_per_sm=cfg.programs_per_sm), num_sms
 
 
 # The balanced schedule's variants (sm_90a builds of its kernel, bf16, D=128, group 4:
@@ -502,10 +509,7 @@ def pick_decode_schedule(batch: int, num_kv_heads: int, device: torch.device | s
     """
     if batch < 0 or num_kv_heads < 1:
         raise ValueError(f"batch, num_kv_heads: expected >= 0 and >= 1, got {batch}, {num_kv_heads}")
-    num_sms = planning_sms(torch.device(device))
-    work = max(1, batch * num_kv_heads)
-    cfg = pick_decode_config(head_dim, dtype, 16, work=work, num_sms=num_sms)
-    programs = work * decode_num_splits(batch, num_kv_heads, device, programs_per_sm=cfg.programs_per_sm)
+    _, programs, num_sms = _per_request_plan(batch, num_kv_heads, head_dim, dtype, 16, device)
     if programs > num_sms:
         per_sm = programs / num_sms
         if per_sm / math.ceil(per_sm) < _MIN_WAVE_FILL:
