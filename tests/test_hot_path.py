@@ -158,6 +158,32 @@ def test_roots_of_a_replay():
     assert launch_mod.hot_roots((2, False, False), 3) is None
 
 
+def test_cascade_program_roots():
+    """A cascade run's roots for the hot path: q and the cache, then out and lse, each
+    given or allocated, except an LSE nobody asked for, which is the plan's own buffer
+    (never returned); one launch step without a side stream."""
+    from types import SimpleNamespace
+
+    from cascadeinfer.cascade.multi_level import _Launches
+
+    templates = tuple(torch.empty(i + 1) for i in range(4))
+    upper = SimpleNamespace(_hot_state=(False,), _direct=("launch",), _templates=templates, valid=True)
+    plan_lse = torch.empty(2)
+    launches = _Launches(plan_lse, upper)
+    p = launches.hot_program(2, True, True, True)
+    assert p.sources == (0, 1, -1, -1) and p.returned == (2, 3) and not p.single
+    assert p.templates[2] is templates[2] and p.templates[3] is templates[3]
+    assert p.steps == ((launch_mod.LAUNCH, None, ("launch",)),) and p.keep is launches
+    p = launches.hot_program(2, True, True, False)
+    assert p.sources == (0, 1, -1, -2) and p.returned == (2,) and p.single and p.templates[3] is plan_lse
+    p = launches.hot_program(2, False, False, False)
+    assert p.sources == (0, 1, 2, 3) and p.returned == (2,) and p.templates == (None,) * 4
+    p = launches.hot_program(2, True, False, True)
+    assert p.sources == (0, 1, -1, 2) and p.returned == (2, 3)
+    upper._hot_state = None  # its last replay went through Triton's launcher
+    assert launches.hot_program(2, True, True, True) is None
+
+
 # ---- on the GPU
 
 

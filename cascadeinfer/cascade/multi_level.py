@@ -48,7 +48,17 @@ from cascadeinfer.kernels import (
     pick_decode_schedule,
 )
 from cascadeinfer.kernels.backend import check_backend
-from cascadeinfer.kernels.launch import LAUNCH, RECORD, WAIT, HotProgram, LaunchCache, Recording, given, recording
+from cascadeinfer.kernels.launch import (
+    LAUNCH,
+    RECORD,
+    WAIT,
+    HotProgram,
+    LaunchCache,
+    Recording,
+    given,
+    hot_roots,
+    recording,
+)
 from cascadeinfer.layouts.page_table import PageTable
 from cascadeinfer.layouts.paged_cache import (
     cache_tensors,
@@ -735,11 +745,12 @@ class _Launches:
         recordings = [r for r in (self.upper, self.last, self.merge) if r is not None]
         if any(r._hot_state is None or r._hot_state[0] or not r._direct for r in recordings):
             return None
-        sources, templates, t = list(range(num_inputs)), [None] * num_inputs, num_inputs
-        for none, kind, buffer in ((out_none, -1, None), (lse_none, -1 if return_lse else -2, self.lse)):
-            sources.append(kind if none else t)
-            templates.append(None if not none else buffer if kind == -2 else self.upper._templates[len(sources) - 1])
-            t += 0 if none else 1
+        num_tensors = num_inputs + (not out_none) + (not lse_none)
+        sources, returned = hot_roots((num_inputs, out_none, lse_none), num_tensors)
+        templates = [self.upper._templates[r] if src < 0 else None for r, src in enumerate(sources)]
+        sources = list(sources)
+        if lse_none and not return_lse:  # the plan's own LSE buffer, never handed out
+            sources[-1], templates[-1] = -2, self.lse
         if self.side is None:
             steps = ((LAUNCH, None, tuple(ln for r in recordings for ln in r._direct)),)
         else:
@@ -749,7 +760,7 @@ class _Launches:
             steps = ((RECORD, None, fork), (WAIT, side, fork), (LAUNCH, None, self.upper._direct),
                      (LAUNCH, side, self.last._direct), (RECORD, side, join), (WAIT, None, join),
                      (LAUNCH, None, self.merge._direct))
-        returned = (num_inputs, num_inputs + 1) if return_lse else (num_inputs,)
+        returned = returned if return_lse else returned[:1]
         return HotProgram(tuple(sources), tuple(templates), returned, not return_lse, steps, False, 0, 0, 0, None,
                           None, self)
 

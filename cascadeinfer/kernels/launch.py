@@ -756,7 +756,9 @@ class LaunchCache:
         self._hot = None  # the C++ hot path's entries (a capsule), made on the first bind
         self.hot = _decline
 
-    def _hot_module(self):
+    def _hot_cache(self):
+        """The hot path's module, with this cache's entries made on first use; None while
+        it is unavailable."""
         mod = _hot_module()
         if mod is not None and self._hot is None:
             self._hot = mod.new_cache()
@@ -770,7 +772,7 @@ class LaunchCache:
         then takes such calls."""
         if program is None or not tensors or tensors[0].get_device() < 0:
             return
-        mod = self._hot_module()
+        mod = self._hot_cache()
         if mod is not None:
             mod.add(self._hot, options, tuple(tensors), tuple(lengthless), program.sources, program.templates,
                     program.returned, program.single, program.steps, tensors[0].get_device(), program.bound,
