@@ -470,8 +470,8 @@ def test_cli_generate_streams_and_batches(llama, tmp_path, device, torch_path, c
 _BENCH = ["bench", "--preset", "tiny", "--requests", "5", "--prefix", "21", "--suffix", "3", "--new-tokens", "4",
           "--page-size", "4"]
 _ENGINE_FIELDS = ["output_tokens", "wall_s", "tokens_per_s", "floor_tokens_per_s", "fraction_of_floor", "prefill_s",
-                  "prefill_floor_s", "decode_step_ms", "decode_step_floor_ms", "prompt_tokens", "prefill_tokens",
-                  "kv_read_gb", "achieved_gb_s", "decode_steps", "graphs_captured_while_timed"]
+                  "prefill_floor_s", "decode_step_ms", "decode_step_floor_ms", "decode_step_host_ms", "prompt_tokens",
+                  "prefill_tokens", "kv_read_gb", "achieved_gb_s", "decode_steps", "graphs_captured_while_timed"]
 
 
 @pytest.mark.parametrize("order", ["cascade,flat,hf", "hf,flat,cascade"])
@@ -498,6 +498,7 @@ def test_cli_bench_in_either_order(order, device, torch_path, capsys, tmp_path):
         row = rows[mode]
         assert all(row[k] is not None for k in _ENGINE_FIELDS), row
         assert row["output_tokens"] == 20 and row["graphs_captured_while_timed"] == 0
+        assert 0 < row["decode_step_host_ms"] <= row["decode_step_ms"]
         assert 0 < row["prefill_floor_s"] and 0 < row["decode_step_floor_ms"] and 0 < row["fraction_of_floor"] < 1
         assert row["prompt_tokens"] == 5 * 24 and row["prefill_tokens"] == 24 + 4 * 4  # the 5 shared pages once
         assert row["decode_steps"] == 2 and row["preemptions"] == 0  # request 0 is a step ahead

@@ -440,3 +440,30 @@ def test_step_profile_cuts_steps_at_markers_and_counts_overlap_once():
     assert first["kinds"]["attention"] == {"sum_us": 7, "busy_us": 5, "count": 2}
     assert first["kinds"]["gemm"]["busy_us"] == 5
     assert summarize(*steps[1])["kinds"] == {"other": {"sum_us": 1, "busy_us": 1, "count": 1}}
+
+
+def test_host_profile_splits_a_step_into_host_work_and_wait(capsys, tmp_path, monkeypatch):
+    """benchmarks/tools/profile_engine_step --host: the bare steps' wall, host and wait
+    times (host + wait = wall, per step), then the Python functions by own time."""
+    import argparse  # noqa: PLC0415
+    import json  # noqa: PLC0415
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the kernels' PyTorch path: this is about the host loop
+
+    from benchmarks.tools.profile_engine_step import profile_host  # noqa: PLC0415
+    from cascadeinfer.engine.llm import LLM  # noqa: PLC0415
+    from cascadeinfer.engine.model_loader import preset  # noqa: PLC0415
+    from cascadeinfer.engine.sampling import SamplingParams  # noqa: PLC0415
+
+    llm = LLM.from_config(preset("tiny"), device="cpu", dtype=torch.float32, record_steps=True, page_size=4)
+    for i in range(3):
+        llm.add_request([1 + i, 2, 3, 4, 5], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    llm.step()
+    out = tmp_path / "host.json"
+    profile_host(llm, argparse.Namespace(steps=3, top=5, json=str(out)))
+    assert not llm.has_unfinished()
+    result = json.loads(out.read_text())
+    assert result["step"]["step wall us"] >= result["step"]["host us (wall less wait)"] > 0
+    assert len(result["functions"]) == 5 and result["functions"][0]["own us per step"] > 0
+    assert all(s.wait_seconds == 0 for s in llm.step_stats)  # the CPU's tokens need no copy
+    assert "functions of most own time" in capsys.readouterr().out

@@ -13,6 +13,11 @@ summed kernel time and the busy time of that kind alone (kernels of one kind run
 by side, e.g. the cascade's two levels, counted once); then the kernels that take the
 most time. The profiler's overhead is in the wall time, so the wall time is ``cascadeinfer
 bench``'s job; this tool says where the GPU's part goes.
+
+With ``--host`` it says where the host's part goes instead: ``--steps`` full-batch steps
+timed bare (each step's wall time, and its wait for the previous step's tokens), then as
+many under ``cProfile``, whose table lists the Python functions by their own time
+(``cProfile`` slows the host, so compare its rows with each other, not with the wall).
 """
 
 from __future__ import annotations
@@ -92,12 +97,15 @@ def main() -> None:
     add_workload_args(ap, new_tokens=64)
     ap.add_argument("--steps", type=int, default=8, help="full-batch decode steps profiled")
     ap.add_argument("--top", type=int, default=15, help="kernels listed by time")
+    ap.add_argument("--host", action="store_true", help="profile the host's part of the steps (cProfile)")
     ap.add_argument("--json", metavar="PATH", help="write the results and the environment here as JSON")
     args = ap.parse_args()
-    if args.new_tokens <= args.steps + 4:
-        sys.exit("--new-tokens: must exceed --steps + 4 (the profiled steps come after the batch fills)")
+    if args.new_tokens <= 2 * args.steps + 4:
+        sys.exit("--new-tokens: must exceed 2 * --steps + 4 (the profiled steps come after the batch fills)")
     device = gpu_start("profile_engine_step")
     llm = engine_in_full_decode(args, device, warm_up=True)
+    if args.host:
+        return profile_host(llm, args)
     walls = []
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
@@ -135,6 +143,42 @@ def main() -> None:
     print(markdown_table(top, ["kernel", "us per step", "kind"]))
     write_json(args.json, {"environment": environment(), "workload": {k: v for k, v in vars(args).items() if k != "json"}, "step": head, "kinds": rows,
                            "top": top})
+
+
+def profile_host(llm, args) -> None:
+    """``--host``: the steps' wall and wait times bare, then their Python functions under
+    cProfile, by own time."""
+    import cProfile  # noqa: PLC0415
+    import pstats  # noqa: PLC0415
+
+    first = len(llm.step_stats)
+    for _ in range(args.steps):
+        llm.step()
+    bare = llm.step_stats[first:]
+    head = {"step wall us": round(statistics.median(s.seconds for s in bare) * 1e6, 1),
+            "host us (wall less wait)": round(statistics.median(s.seconds - s.wait_seconds for s in bare) * 1e6, 1),
+            "wait us": round(statistics.median(s.wait_seconds for s in bare) * 1e6, 1)}
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(args.steps):
+        llm.step()
+    profiler.disable()
+    while llm.has_unfinished():
+        llm.step()
+    stats = pstats.Stats(profiler)
+    rows = []
+    for (file, line, name), (_, calls, own, cumulative, _) in stats.stats.items():
+        rows.append({"function": f"{os.path.basename(file)}:{line}({name})", "calls per step": calls / args.steps,
+                     "own us per step": own / args.steps * 1e6, "cumulative us per step": cumulative / args.steps * 1e6})
+    rows.sort(key=lambda r: -r["own us per step"])
+    rows = [{k: round(v, 1) if isinstance(v, float) else v for k, v in r.items()} for r in rows[:args.top]]
+    print("# per full-batch decode step, median of", len(bare), "bare steps")
+    print(markdown_table([head], list(head)))
+    print()
+    print(f"# under cProfile, {args.steps} steps: the {len(rows)} functions of most own time")
+    print(markdown_table(rows, list(rows[0])))
+    write_json(args.json, {"environment": environment(), "workload": {k: v for k, v in vars(args).items() if k != "json"},
+                           "step": head, "functions": rows})
 
 
 def add_workload_args(ap: argparse.ArgumentParser, *, new_tokens: int) -> None:

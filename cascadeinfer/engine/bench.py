@@ -48,7 +48,9 @@ Reported per run (table, and every number in ``--json PATH``):
   included), against the median of those steps' floors: max((weight bytes + KV bytes
   read with the shared prefix once + KV bytes written) / copy bandwidth, (2 · matmul
   params · batch + attention FLOPs) / matmul rate). The KV bytes the mode's attention
-  actually reads are reported beside it (flat re-reads the prefix for every request).
+  actually reads are reported beside it (flat re-reads the prefix for every request),
+  and the host's own part of the step (its time less the wait for the previous step's
+  tokens): a step whose host part is near its whole time is bound by the host.
 
 Floors are lower bounds: they leave out what a perfect kernel could avoid or overlap
 (activations, the prefill's reads of the prefix, norms, sampling). With
@@ -445,9 +447,11 @@ def engine_run(llm, mode: str, setting: Setting, device: torch.device) -> dict:
     full = [s for s in steps if s.num_prefill_tokens == 0 and s.num_decode == batch]
     if full:
         step = statistics.median(s.seconds for s in full)
+        host = statistics.median(s.seconds - s.wait_seconds for s in full)
         floor = statistics.median(decode_step_floor(costs, ceil, s) for s in full)
         kv_read = statistics.median(s.kv_tokens_read for s in full) * costs.kv_bytes_per_token
-        row.update(decode_step_ms=step * 1e3, decode_step_floor_ms=floor * 1e3, fraction_of_decode_floor=floor / step,
+        row.update(decode_step_ms=step * 1e3, decode_step_host_ms=host * 1e3,
+                   decode_step_floor_ms=floor * 1e3, fraction_of_decode_floor=floor / step,
                    decode_steps=len(full), weights_gb=costs.weight_bytes / 1e9, kv_read_gb=kv_read / 1e9,
                    achieved_gb_s=(costs.weight_bytes + kv_read) / step / 1e9,
                    fraction_of_copy_bw=(costs.weight_bytes + kv_read) / step / ceil.copy_bytes_per_s,
@@ -611,7 +615,8 @@ def hf_run(mc: ModelConfig, dtype: torch.dtype, device: torch.device, setting: S
 _COLUMNS = [("engine", "engine"), ("output_tokens", "output tokens"), ("wall_s", "wall s"),
             ("tokens_per_s", "output tok/s"), ("fraction_of_floor", "of floor"), ("prefill_s", "prefill s"),
             ("prefill_floor_s", "prefill floor s"), ("decode_step_ms", "decode step ms"),
-            ("decode_step_floor_ms", "step floor ms"), ("prefill_tokens", "prompt tok computed"),
+            ("decode_step_floor_ms", "step floor ms"), ("decode_step_host_ms", "step host ms"),
+            ("prefill_tokens", "prompt tok computed"),
             ("prompt_tokens", "prompt tok submitted"), ("kv_read_gb", "KV GB/step"), ("achieved_gb_s", "achieved GB/s"),
             ("all_reduce_ms", "all-reduce ms/step")]
 

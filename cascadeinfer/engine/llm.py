@@ -416,9 +416,10 @@ class LLM:
             if not batch:
                 raise RuntimeError("scheduler: no sequence could be scheduled (the KV pool is too small)")
         outputs: list[RequestOutput] = []
+        waited = 0.0
         if pending is not None and not (batch and self.runner.overlappable(batch)):
             outputs = self._resolve(pending, updates)
-            pending = None
+            waited, pending = pending.wait_seconds, None
             batch = _without_finished(batch) if batch else None
         if self.swap is not None:
             self.swap.flush()  # the step's swap copies, before its kernels reuse the pages
@@ -430,6 +431,7 @@ class LLM:
         sample_seqs, logits, stats = self.runner.execute(batch, pending.tokens_of() if pending else None)
         if pending is not None:
             outputs = self._resolve(pending, updates)  # waits for the previous step's copy only
+            waited = pending.wait_seconds
         self.scheduler.advance(_without_finished(batch))
         targets: list[tuple[Sequence, int]] = []
         beam_rows: dict[int, list[tuple[Sequence, int]]] = {}
@@ -462,7 +464,7 @@ class LLM:
         self._num_steps += 1
         self._num_output_tokens += len(rows)
         if self.config.record_steps:
-            self.step_stats.append(replace(stats, seconds=time.perf_counter() - t0))
+            self.step_stats.append(replace(stats, seconds=time.perf_counter() - t0, wait_seconds=waited))
         return outputs
 
     def _beam_step(self, beam_rows: dict[int, list[tuple[Sequence, int]]], logits: torch.Tensor
@@ -729,10 +731,13 @@ class _Pending:
             self.copied.record()
         else:
             self.host, self.copied = tokens, None
+        self.wait_seconds = 0.0  # how long values() waited for the copy
 
     def values(self) -> list[int]:
         if self.copied is not None:
+            t0 = time.perf_counter()
             self.copied.synchronize()
+            self.wait_seconds = time.perf_counter() - t0
         return self.host.tolist()
 
     def tokens_of(self) -> tuple[torch.Tensor, dict[int, int]]:

@@ -114,6 +114,9 @@ class StepStats:
     graph: bool
     kv_tokens_read: int  # keys the decode attention reads (shared levels counted once)
     seconds: float = 0.0
+    # Of ``seconds``, the wait for the previous step's tokens: the host's own work is the
+    # rest, and a step whose wait is near 0 is bound by the host, not the GPU.
+    wait_seconds: float = 0.0
     # Both counts, whichever mode ran (for floors): every row its whole sequence, and the
     # levels' pages once each (the shared prefix once).
     kv_tokens_attended: int = 0
