@@ -73,6 +73,41 @@ def test_lookup_takes_only_the_signature_it_was_made_from():
     assert mod.size(cache) == 1
 
 
+def test_a_recording_in_progress_takes_the_python_path():
+    """Inside a recording (the cascade records its levels' and merge's launches) the hot
+    path must decline, or the recording would miss the kernels it enqueued: it checks the
+    recording's context variable before anything else it reads for the call."""
+    from triton import knobs
+
+    mod = hot_path.module()
+    assert mod is not None
+    streams_asked = []
+
+    def current_stream(device):  # the first thing the hot path reads once it takes a call
+        streams_asked.append(device)
+        raise RuntimeError("past the checks")
+
+    cache, call = mod.new_cache(), None
+    options = ("a launcher",)
+    q, pages, out = _call()
+    _add(mod, cache, options, (q, pages, out), (0, 1, 2), (None, None, None))
+    call = mod.caller(cache)
+    mod.configure(launch_mod._STREAM_SCRATCH, current_stream, knobs.runtime, launch_mod._RECORDING)
+    try:
+        with launch_mod.recording((q, out)):
+            assert call((q, pages, out), options) is None
+            with launch_mod.unrecorded():  # launches kept by no recording may take it
+                with pytest.raises(RuntimeError, match="past the checks"):
+                    call((q, pages, out), options)
+        assert len(streams_asked) == 1
+        with pytest.raises(RuntimeError, match="past the checks"):
+            call((q, pages, out), options)
+        assert len(streams_asked) == 2
+    finally:  # as kernels.launch configures it
+        mod.configure(launch_mod._STREAM_SCRATCH, getattr(torch._C, "_cuda_getCurrentRawStream", current_stream),
+                      knobs.runtime, launch_mod._RECORDING)
+
+
 def test_entries_are_replaced_per_signature_and_bounded():
     mod = hot_path.module()
     cache = mod.new_cache()
@@ -469,3 +504,40 @@ def test_cascade_run_through_the_hot_path(monkeypatch, batch, use_cascade):
     o_ref, lse_ref = shared_prefix_reference(q, cache, perm, prefix_pages, suffix_pages, last, page_size)
     torch.testing.assert_close(o.double().cpu(), o_ref, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(s.double().cpu(), lse_ref, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.gpu
+def test_a_cascade_records_its_merge_where_the_merge_is_hot():
+    """A cascade's first run records its levels and merge. With ``merge_state`` already
+    hot for the very shapes of the cascade's merge, the merge inside the recording must
+    still go through the Python path: else the recording misses it, and the replays
+    return an LSE nobody wrote (the output only by chance: the recording's own buffer
+    freed and handed out again)."""
+    from cascadeinfer.cascade.multi_level import MultiLevelCascadeAttention
+
+    from test_cascade import shared_prefix_reference
+
+    dev = torch.device("cuda")
+    batch, prefix_pages, suffix_pages, page_size, hq, hkv, d = 2, 4, 2, 16, 4, 2, 64
+    num_pages = prefix_pages + batch * suffix_pages
+    g = torch.Generator().manual_seed(11)
+    perm = torch.randperm(num_pages, generator=g).int()
+    last = torch.randint(1, page_size + 1, (batch,), generator=g)
+    tables = [[torch.tensor([0, batch]), torch.arange(batch + 1)],
+              [torch.tensor([0, prefix_pages]), torch.arange(batch + 1) * suffix_pages],
+              [perm[:prefix_pages], perm[prefix_pages:]], [torch.tensor([page_size]), last]]
+    cache = torch.randn(num_pages, 2, page_size, hkv, d, dtype=torch.float16, device=dev)
+    state = lambda: (torch.randn(batch, hq, d, dtype=torch.float16, device=dev),  # noqa: E731
+                     torch.randn(batch, hq, device=dev))
+    for _ in range(4):  # merge_state hot for [batch, hq, d] fp16 with both outputs given
+        (va, sa), (vb, sb), (o, s) = state(), state(), state()
+        ci.merge_state(va, sa, vb, sb, out=o, out_lse=s, validate=False)
+    assert launch_mod._hot_module().size(merge_mod._MERGE_STATE._hot) >= 1
+    attn = MultiLevelCascadeAttention(2, device=dev)
+    attn.plan(*[[t.int().to(dev) for t in x] for x in tables], hq, hkv, d, page_size)
+    for _ in range(3):  # the record and its replay, then the hot path's replays
+        q = torch.randn(batch, hq, d, dtype=torch.float16, device=dev)
+        o, lse = attn.run(q, cache, return_lse=True)
+        o_ref, lse_ref = shared_prefix_reference(q, cache, perm, prefix_pages, suffix_pages, last, page_size)
+        torch.testing.assert_close(o.double().cpu(), o_ref, atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(lse.double().cpu(), lse_ref, atol=1e-3, rtol=1e-3)

@@ -13,7 +13,8 @@
  * "Host cost" v10).
  *
  * Whatever this path cannot do exactly as the Python path would, it declines (returns
- * None) and the Python path runs: a profiler's launch hooks set, a stream other than the
+ * None) and the Python path runs: a recording in progress (its launches must go through
+ * the Python launchers, which keep them), a profiler's launch hooks set, a stream other than the
  * one an entry's scratch or counters are bound to, that stream's scratch block checked
  * out or replaced, a stream being captured where scratch or counters are needed, a thread
  * with no current CUDA context. The GIL is held from the lookup to the last launch, so no
@@ -35,11 +36,13 @@ constexpr int kFixed = -2;
 constexpr const char *kCacheCapsule = "cascadeinfer.HotCache";
 
 // Set once by configure(): the dict of streams' scratch blocks
-// (cascadeinfer.kernels.launch._STREAM_SCRATCH), the current-stream query and Triton's
-// runtime knobs (launch hooks).
+// (cascadeinfer.kernels.launch._STREAM_SCRATCH), the current-stream query, Triton's
+// runtime knobs (launch hooks) and the context variable of the recording in progress
+// (cascadeinfer.kernels.launch._RECORDING).
 PyObject *g_scratch_blocks = nullptr;
 PyObject *g_current_stream = nullptr;
 PyObject *g_runtime_knobs = nullptr;
+PyObject *g_recording = nullptr;
 PyObject *g_enter_hook_name = nullptr;
 PyObject *g_exit_hook_name = nullptr;
 PyObject *g_calls_name = nullptr;
@@ -187,6 +190,15 @@ bool hooked() {
   return false;
 }
 
+// Whether a recording is in progress in the caller's context: 1, 0, or -1 with an error set.
+int recording() {
+  PyObject *rec = nullptr;
+  if (PyContextVar_Get(g_recording, nullptr, &rec) < 0) return -1;
+  int active = rec != nullptr && rec != Py_None;
+  Py_XDECREF(rec);
+  return active;
+}
+
 // call(tensors, options) -> outputs tuple, or None where the Python path must run.
 // Bound to its cache's capsule (`self`) by caller().
 PyObject *call(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -201,6 +213,11 @@ PyObject *call(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   uint64_t ptrs[MAX_ROOTS];
   Entry *hit = find(cache, tensors, options, ptrs);
   if (!hit || hooked()) Py_RETURN_NONE;
+  // A launcher called inside a recording (the cascade's levels and merge while it records
+  // them) must launch through its Python path, or the recording misses its kernels.
+  int in_recording = recording();
+  if (in_recording < 0) return nullptr;
+  if (in_recording) Py_RETURN_NONE;
   PyObject *stream_obj = PyObject_CallOneArg(g_current_stream, hit->device_arg);
   if (!stream_obj) return nullptr;
   uint64_t stream = PyLong_AsUnsignedLongLong(stream_obj);
@@ -288,16 +305,19 @@ PyObject *call(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
 PyMethodDef call_def = {"call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(call)),
                         METH_FASTCALL, "Replay a known signature's launches; its outputs, or None."};
 
-// configure(scratch_blocks, current_stream, runtime_knobs)
+// configure(scratch_blocks, current_stream, runtime_knobs, recording_var)
 PyObject *configure(PyObject *, PyObject *args) {
-  PyObject *blocks, *stream, *knobs;
-  if (!PyArg_ParseTuple(args, "O!OO", &PyDict_Type, &blocks, &stream, &knobs)) return nullptr;
+  PyObject *blocks, *stream, *knobs, *recording_var;
+  if (!PyArg_ParseTuple(args, "O!OOO!", &PyDict_Type, &blocks, &stream, &knobs, &PyContextVar_Type, &recording_var))
+    return nullptr;
   Py_INCREF(blocks);
   Py_INCREF(stream);
   Py_INCREF(knobs);
+  Py_INCREF(recording_var);
   Py_XSETREF(g_scratch_blocks, blocks);
   Py_XSETREF(g_current_stream, stream);
   Py_XSETREF(g_runtime_knobs, knobs);
+  Py_XSETREF(g_recording, recording_var);
   if (!g_enter_hook_name) {
     g_enter_hook_name = PyUnicode_InternFromString("launch_enter_hook");
     g_exit_hook_name = PyUnicode_InternFromString("launch_exit_hook");

@@ -717,7 +717,7 @@ def _hot_module():
         return _HOT[0]
     mod = hot_path.module_if_ready()
     if mod is not None:
-        mod.configure(_STREAM_SCRATCH, torch._C._cuda_getCurrentRawStream, knobs.runtime)
+        mod.configure(_STREAM_SCRATCH, torch._C._cuda_getCurrentRawStream, knobs.runtime, _RECORDING)
         _HOT.append(mod)
     return mod
 
