@@ -61,7 +61,7 @@ def test_group_levels_groups_shared_prefixes():
     lens = [3, 1, 4, 2, 4, 1]
     order, levels = group_levels(pages, lens, 2, 4)
     _check_tables(pages, lens, 2, 4, order, levels)
-    assert [names[r] for r in order] == ["A", "F", "B", "C", "E", "D"]
+    assert [names[r] for r in order] == ["A", "F", "B", "C", "D", "E"]
     assert _lists(levels[0]).qo_indptr == [0, 4, 6] and _lists(levels[0]).kv_indices == [1, 2]
     order3, levels3 = group_levels(pages, lens, 3, 4)
     _check_tables(pages, lens, 3, 4, order3, levels3)
@@ -467,3 +467,36 @@ def test_host_profile_splits_a_step_into_host_work_and_wait(capsys, tmp_path, mo
     assert len(result["functions"]) == 5 and result["functions"][0]["own us per step"] > 0
     assert all(s.wait_seconds == 0 for s in llm.step_stats)  # the CPU's tokens need no copy
     assert "functions of most own time" in capsys.readouterr().out
+
+
+def test_host_probe_times_a_stubbed_step_by_part(capsys, monkeypatch, tmp_path):
+    """benchmarks/tools/probe_engine_host: the engine around a stubbed model, timed bare
+    and by part; every part ran in every timed step."""
+    import json  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    from benchmarks.tools import probe_engine_host  # noqa: PLC0415
+
+    out = tmp_path / "parts.json"
+    monkeypatch.setattr(sys, "argv", ["probe_engine_host", "--requests", "4", "--prefix", "40", "--suffix", "6",
+                                      "--page-size", "4", "--steps", "3", "--json", str(out)])
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the probe switches the prefill to the PyTorch path itself
+    probe_engine_host.main()
+    parts = {r["part"]: r["ms"] for r in json.loads(out.read_text())["parts"]}
+    assert parts["a step, bare"] > 0 and parts["a step, parts timed"] >= parts["execute"] > 0
+    assert all(ms > 0 for ms in parts.values()), parts
+    assert parts["execute"] >= parts["execute: group_levels"] + parts["execute: plan, fill, replay"]
+    assert "(the model stubbed)" in capsys.readouterr().out
+
+
+def test_host_tensor_copies_a_list_exactly():
+    from cascadeinfer._host import host_tensor  # noqa: PLC0415
+
+    values = [0, 7, -3, 2**31 - 1]
+    for dtype in (torch.int32, torch.int64):
+        t = host_tensor(values, dtype)
+        assert t.dtype == dtype and t.tolist() == values and t.device.type == "cpu"
+    assert host_tensor([], torch.int32).shape == (0,)
+    assert host_tensor([2**40], torch.int64).item() == 2**40
+    with pytest.raises(OverflowError):
+        host_tensor([2**31], torch.int32)

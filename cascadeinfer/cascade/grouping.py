@@ -25,8 +25,13 @@ def group_levels(
     row with its remaining pages. Only full pages ever sit above the last level.
     """
     # A row's last page is its own (being written): only pages[:-1] can be shared. Rows are
-    # sorted by those (which keeps every set of rows with a common prefix adjacent, all the
-    # cut below needs); the cut then reads the lists in place, up to those lengths.
+    # sorted by their whole lists, compared in place (slicing off the last pages to sort
+    # by the shareable parts alone would copy every list: 3x the sort's time at 256 rows
+    # of 272 pages). Lexicographic order keeps every set of rows with a common prefix
+    # adjacent, all the cut below needs, and a row strictly between two rows that share
+    # a prefix of length l is at least l + 1 pages long, so the first and last rows of a
+    # run bound its common shareable prefix. The cut reads the lists in place, up to the
+    # shareable lengths.
     shareable = [len(pages) - 1 for pages in page_lists]  # how many of a row's pages can be shared
     upper: list[list[tuple[int, list[int]]]] = [[] for _ in range(num_levels - 1)]
     order: list[int] = []
@@ -61,7 +66,7 @@ def group_levels(
             upper[level].append((len(rest), []))
             split(rest, offset, level + 1)
 
-    split(sorted(range(len(page_lists)), key=lambda r: page_lists[r][:-1]), 0, 0)
+    split(sorted(range(len(page_lists)), key=page_lists.__getitem__), 0, 0)
 
     levels = []
     for groups in upper:

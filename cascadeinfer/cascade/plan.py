@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from cascadeinfer._host import host_tensor
 from cascadeinfer.cascade.cost import DeviceModel, LevelShape, predict_seconds, prefix_sm_fraction, side_stream_runs
 from cascadeinfer.kernels.policy import (
     groups_tile_config,
@@ -70,8 +71,8 @@ class HostLevel(LevelTensors):
                    kv_last_page_len: list[int], page_size: int) -> HostLevel:
         """A level from host lists that satisfy the page-table rule by construction
         (e.g. :func:`~cascadeinfer.cascade.grouping.group_levels`'); no second check."""
-        i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
-        return cls(torch.tensor(qo_indptr, dtype=torch.int64),
+        i32 = lambda x: host_tensor(x, torch.int32)  # noqa: E731
+        return cls(host_tensor(qo_indptr, torch.int64),
                    PageTable.trusted(i32(kv_indptr), i32(kv_indices), i32(kv_last_page_len), page_size))
 
     @property

@@ -178,8 +178,15 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
 
+        ps, refcount = self.page_size, self.cache.pool.refcount
         for seq in list(self.running):  # 1. decode, oldest first
             if not seq.is_decode or seq.status is not Status.RUNNING or budget == 0:
+                continue
+            if seq.num_computed % ps and refcount(seq.pages[-1]) == 1:
+                # The common case, taken first: the token goes into the room left in the
+                # sequence's own last page, with nothing to allocate or copy.
+                batch.decode.append(seq)
+                budget -= 1
                 continue
             while self._pages_needed(seq, 1) > self.cache.num_available:
                 victim = self.running[-1]  # the youngest; unscheduled, or `seq` itself
