@@ -100,8 +100,9 @@ def main() -> None:
     ap.add_argument("--host", action="store_true", help="profile the host's part of the steps (cProfile)")
     ap.add_argument("--json", metavar="PATH", help="write the results and the environment here as JSON")
     args = ap.parse_args()
-    if args.new_tokens <= 2 * args.steps + 4:
-        sys.exit("--new-tokens: must exceed 2 * --steps + 4 (the profiled steps come after the batch fills)")
+    steps = 2 * args.steps if args.host else args.steps  # --host: as many bare steps, then the profiled ones
+    if args.new_tokens <= steps + 4:
+        sys.exit(f"--new-tokens: must exceed {steps + 4} (the profiled steps come after the batch fills)")
     device = gpu_start("profile_engine_step")
     llm = engine_in_full_decode(args, device, warm_up=True)
     if args.host:
