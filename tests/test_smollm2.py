@@ -220,3 +220,35 @@ def test_interrupted_conversion_leaves_nothing(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         convert_smollm2(tmp_path / "model")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("text", [
+    "Numbers 3.14159 and 2024-11-24; unicode: naïve café, 東京, emoji 🙂🚀 «quotes» — dash",
+    "  two leading spaces,\ttabs and\nnew lines\n\n<|im_end|> after a special token",
+])
+def test_incremental_text_is_the_whole_decode(text, smollm2_dir):
+    """IncrementalText, fed one more token at a time, gives what decoding the whole list
+    gives, except that text ending in an unfinished character waits for the next token."""
+    from cascadeinfer.engine.detokenize import IncrementalText  # noqa: PLC0415
+
+    tokenizer = load_tokenizer(smollm2_dir)
+    ids = tokenizer.encode(text).ids
+    inc = IncrementalText()
+    for n in range(1, len(ids) + 1):
+        whole = tokenizer.decode(ids[:n], skip_special_tokens=True)
+        got = inc.update(tokenizer, ids[:n])
+        assert got == whole or (whole.endswith("\ufffd") and whole.startswith(got)), (n, got, whole)
+    assert inc.text == tokenizer.decode(ids, skip_special_tokens=True)
+    with pytest.raises(ValueError, match="ids"):
+        inc.update(tokenizer, ids[:-1])
+
+
+def test_streamed_updates_carry_the_text_so_far(smollm2_dir):
+    llm = _engine(smollm2_dir)
+    updates = [out for _, out in llm.stream([UNSHARED[0]], SamplingParams(temperature=0, max_tokens=6,
+                                                                              ignore_eos=True))]
+    assert len(updates) == 6 and updates[-1].finished
+    for out in updates:
+        sample = out.outputs[0]
+        whole = llm.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+        assert sample.text == whole or (whole.endswith("\ufffd") and whole.startswith(sample.text))

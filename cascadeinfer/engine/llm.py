@@ -21,6 +21,7 @@ import torch.distributed as dist
 from cascadeinfer.engine.beam import BeamSearchOutput, BeamSearchParams, BeamSearchSequence, BeamState
 from cascadeinfer.engine.chat import ChatTemplate, load_chat_template
 from cascadeinfer.engine.config import EngineConfig
+from cascadeinfer.engine.detokenize import IncrementalText
 from cascadeinfer.engine.llama import LlamaForCausalLM, TensorParallel
 from cascadeinfer.engine.model_loader import ModelConfig, load_tokenizer, parse_dtype
 from cascadeinfer.engine.model_runner import ModelRunner, StepStats
@@ -564,9 +565,19 @@ class LLM:
         outs = []
         for seq in req.seqs:
             ids = seq.output_token_ids
-            outs.append(CompletionOutput(seq.sample_index, ids, self._decode(ids, req.stop_ids), seq.finish_reason))
+            text = self._decode(ids, req.stop_ids) if seq.finished else self._partial_text(seq, ids)
+            outs.append(CompletionOutput(seq.sample_index, ids, text, seq.finish_reason))
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs,
                              all(s.finished for s in req.seqs))
+
+    def _partial_text(self, seq: Sequence, ids: list[int]) -> str | None:
+        """The text of a running sample's update, decoded incrementally (a running
+        sample's ids end in no stop token: it would have finished)."""
+        if self.tokenizer is None:
+            return None
+        if seq.text is None:
+            seq.text = IncrementalText()
+        return seq.text.update(self.tokenizer, ids)
 
     def _decode(self, ids: list[int], stop_ids: frozenset[int]) -> str | None:
         if self.tokenizer is None:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from cascadeinfer.engine.sampling import SamplingParams
 
 if TYPE_CHECKING:
+    from cascadeinfer.engine.detokenize import IncrementalText
     from cascadeinfer.engine.swap import SwappedPages
 
 
@@ -52,6 +53,7 @@ class Sequence:
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.num_computed = 0
+        self.text: IncrementalText | None = None  # its updates' text, made by the first update
         self.pages: list[int] = []
         # Set while preempted by swapping: where its pages wait on the host (its
         # num_computed stays); see swap.py.
