@@ -25,10 +25,12 @@ import time
 import torch
 
 from benchmarks._common import environment, markdown_table, write_json
+from benchmarks.tools.profile_engine_step import step_until_full_batch
 
 
 def build(args) -> object:
     """The engine with its model stubbed, stepped until the whole batch decodes."""
+    from cascadeinfer.engine.bench import Workload  # noqa: PLC0415
     from cascadeinfer.engine.llm import LLM  # noqa: PLC0415
     from cascadeinfer.engine.model_loader import preset  # noqa: PLC0415
     from cascadeinfer.engine.sampling import SamplingParams  # noqa: PLC0415
@@ -46,15 +48,9 @@ def build(args) -> object:
 
     llm.runner.model.forward = stub
     params = SamplingParams(temperature=0.0, max_tokens=args.steps * 2 + 8, ignore_eos=True)
-    vocab = mc.vocab_size - 1
-    shared = [1 + t % vocab for t in range(args.prefix)]
-    for r in range(args.requests):
-        llm.add_request(shared + [1 + (r * 7919 + t) % vocab for t in range(args.suffix)], params)
-    while True:
-        llm.step()
-        last = llm.step_stats[-1]
-        if last.num_prefill_tokens == 0 and last.num_decode == args.requests:
-            break
+    for prompt in Workload(args.requests, args.prefix, args.suffix, args.steps * 2 + 8).prompts(mc.vocab_size, 0):
+        llm.add_request(prompt, params)
+    step_until_full_batch(llm, args.requests)
     return llm
 
 

@@ -212,17 +212,23 @@ def engine_in_full_decode(args, device: torch.device, *, warm_up: bool):
         llm.reset_prefix_cache()
     for prompt in workload.prompts(mc.vocab_size, 0):
         llm.add_request(prompt, params)
-    while True:  # until a full-batch decode step has run, plus two to settle
-        llm.step()
-        last = llm.step_stats[-1]
-        if last.num_prefill_tokens == 0 and last.num_decode == min(args.requests, llm.config.max_num_seqs):
-            break
-        if not llm.has_unfinished():
-            sys.exit("--new-tokens: the first requests finished before the last began to decode; raise it")
-    for _ in range(2):
+    step_until_full_batch(llm, args.requests)
+    for _ in range(2):  # to settle
         llm.step()
     torch.cuda.synchronize()
     return llm
+
+
+def step_until_full_batch(llm, requests: int) -> None:
+    """Step ``llm`` (``record_steps``) until a step decodes its whole batch: ``requests``
+    rows, or ``max_num_seqs``."""
+    while True:
+        llm.step()
+        last = llm.step_stats[-1]
+        if last.num_prefill_tokens == 0 and last.num_decode == min(requests, llm.config.max_num_seqs):
+            return
+        if not llm.has_unfinished():
+            sys.exit("--new-tokens: the first requests finished before the last began to decode; raise it")
 
 
 def split_at_markers(events: list[dict]) -> list[tuple[float, float, list[dict]]]:
