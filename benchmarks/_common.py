@@ -147,9 +147,12 @@ def gpu_start(tool: str) -> torch.device:
 
 
 def parse_config(name: str) -> DecodeConfig:
-    """``n<keys>_w<warps>_s<stages>[_x<sub-tiles>]`` as a :class:`DecodeConfig`."""
-    m = re.fullmatch(r"n(\d+)_w(\d+)_s(\d+)(?:_x(\d+))?", name)
+    """``n<keys>_w<warps>_s<stages>[_x<sub-tiles>][_p<programs per SM>][_c]`` as a
+    :class:`DecodeConfig` (``_p``: the split plan's residency, default 2; ``_c``: the
+    partial last tile inside the key loop, its rows clamped)."""
+    m = re.fullmatch(r"n(\d+)_w(\d+)_s(\d+)(?:_x(\d+))?(?:_p(\d+))?(_c)?", name)
     if m is None:
-        raise ValueError(f"config {name!r}: expected n<keys>_w<warps>_s<stages>[_x<sub-tiles>]")
-    n, w, st, x = m.groups()
-    return DecodeConfig(block_n=int(n), num_warps=int(w), num_stages=int(st), subtiles=int(x or 1))
+        raise ValueError(f"config {name!r}: expected n<keys>_w<warps>_s<stages>[_x<sub-tiles>][_p<k>][_c]")
+    n, w, st, x, p, c = m.groups()
+    return DecodeConfig(block_n=int(n), num_warps=int(w), num_stages=int(st), subtiles=int(x or 1),
+                        programs_per_sm=int(p or 2), clamp_tail=c is not None)

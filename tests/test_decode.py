@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -11,7 +12,9 @@ from hypothesis import strategies as st
 
 from cascadeinfer.kernels import decode as decode_mod
 from cascadeinfer.kernels.decode import batch_decode_paged, batch_decode_paged_ref
+from cascadeinfer.kernels import policy
 from cascadeinfer.kernels.policy import (
+    CONCURRENT_MAX_KEYS,
     DECODE_VARIANTS,
     MAX_SPLITS,
     DecodeConfig,
@@ -248,6 +251,33 @@ def test_decode_variants(device, name):
                    dtype=torch.bfloat16, seed=24)
 
 
+@pytest.mark.parametrize("page_size,head_dim", [(16, 128), (3, 96), (1, 64)])
+def test_clamped_tail_tiles(device, page_size, head_dim):
+    """The partial last tile inside the key loop (``clamp_tail``): its rows past the end
+    read the range's last key, unmasked, and weigh 0. The slots past each request's end
+    hold NaN, so a row read there, or a weight that is not exactly 0, poisons the answer;
+    unsplit and split 3 and 4 ways (ranges ending mid-tile and empty splits)."""
+    lens = [0, 1, 15, 16, 17, 70, 300]
+    q, cache, indptr, indices, last = make_case(device, lens=lens, page_size=page_size, hq=8, hkv=2,
+                                                head_dim=head_dim, dtype=torch.bfloat16, seed=41)
+    for b, n in enumerate(lens):
+        if n:  # NaN in every slot of the last page past the request's end
+            cache[indices[indptr[b + 1] - 1].long(), :, int(last[b]):] = float("nan")
+    for cfg in (DecodeConfig(block_n=16, num_warps=1, num_stages=5, clamp_tail=True),
+                DecodeConfig(block_n=64, num_warps=4, num_stages=3, clamp_tail=True)):
+        for splits in (1, 3, 4):
+            out, lse = poisoned(q)
+            o, s = decode_mod.decode_with_config(
+                q, cache, indptr, indices, last, kv_layout="NHD", sm_scale=None, num_splits=splits,
+                schedule="per_request", out=out, lse=lse, validate=True, config=cfg)
+            check_against_reference(q, cache, indptr, indices, last, o, s)
+
+
+def test_clamp_tail_needs_one_state_per_tile():
+    with pytest.raises(ValueError, match="DecodeConfig"):
+        DecodeConfig(block_n=32, num_warps=2, num_stages=5, subtiles=2, clamp_tail=True)
+
+
 @pytest.mark.parametrize("shared_pages", [False, True])
 def test_head_dim_256_tiles(device, shared_pages):
     """head_dim 256 with the plain rule's tiles (4 warps over 32 keys) and the
@@ -262,11 +292,15 @@ def test_head_dim_256_tiles(device, shared_pages):
 
 
 def test_probe_config_names():
-    """The --configs names of probe_flat_shared and tune_decode_level: keys, warps, stages, sub-tiles."""
+    """The --configs names of probe_flat_shared and tune_decode_level: keys, warps, stages,
+    sub-tiles, programs per SM, clamped tail."""
     from benchmarks._common import parse_config  # noqa: PLC0415
 
     assert parse_config("n16_w1_s5") == DecodeConfig(block_n=16, num_warps=1, num_stages=5)
     assert parse_config("n32_w4_s5_x2") == DecodeConfig(block_n=32, num_warps=4, num_stages=5, subtiles=2)
+    assert parse_config("n16_w1_s5_p8_c") == DecodeConfig(block_n=16, num_warps=1, num_stages=5,
+                                                          programs_per_sm=8, clamp_tail=True)
+    assert parse_config("n16_w1_s5_p4") == DECODE_VARIANTS["n16_w1_s5_p4"]
     for bad in ("n16w1s5", "n16_w1", "x2_n16_w1_s5"):
         with pytest.raises(ValueError, match="config"):
             parse_config(bad)
@@ -313,8 +347,14 @@ def test_pick_decode_config():
     small = DECODE_VARIANTS["n16_w1_s5"]
     grouped = lambda work, group, **kw: pick_decode_config(128, torch.bfloat16, 16, work=work, num_sms=132,  # noqa: E731
                                                            group_size=group, **kw)
-    assert grouped(990, 4) == grouped(2048, 1) == small and small.programs_per_sm == 8
-    assert grouped(989, 4) == grouped(2048, 8) == two
+    assert grouped(264, 4) == grouped(989, 4) == grouped(2048, 1) == small and small.programs_per_sm == 8
+    assert grouped(263, 4) == three and grouped(2048, 8) == two
+    # beside another stream's kernel: from 7.5 SMs of work the clamped 4-stage tiles
+    concurrent = DECODE_VARIANTS["n16_w1_s4_c"]
+    assert concurrent.clamp_tail and concurrent.programs_per_sm == small.programs_per_sm
+    assert grouped(990, 4, concurrent=True) == grouped(2048, 1, concurrent=True) == concurrent
+    assert grouped(989, 4, concurrent=True) == small
+    assert grouped(2048, 8, concurrent=True) == two and grouped(100, 4, concurrent=True) == one
     assert pick_decode_config(64, torch.bfloat16, 16, work=2048, num_sms=132, group_size=4) == two
     assert pick_decode_config(128, torch.float32, 16, work=2048, num_sms=132, group_size=4).num_warps == 8
     # past 1.5 pairs per SM no split, whatever the residency of the config
@@ -359,6 +399,26 @@ def test_shared_pages_schedule(device, num_splits):
     test_decode_variants and test_subtiles_share_prefix_pages)."""
     run_and_check(device, lens=[40, 0, 33, 17], hq=8, hkv=2, head_dim=128, dtype=torch.bfloat16,
                   num_splits=num_splits, schedule="shared_pages", seed=5)
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+def test_concurrent_schedule(device, num_splits):
+    """schedule="concurrent": the same attention (at this small shape the plain rule's
+    tiles; the clamped ones run in test_decode_variants and test_clamped_tail_tiles)."""
+    run_and_check(device, lens=[40, 0, 33, 17], hq=8, hkv=2, head_dim=128, dtype=torch.bfloat16,
+                  num_splits=num_splits, schedule="concurrent", seed=6)
+
+
+def test_decode_schedule_beside_prefill():
+    """Short rows beside a prefill level take "concurrent"; long rows, and every other
+    schedule, stay as they are."""
+    beside = policy.decode_schedule_beside_prefill
+    short, long = [1, 300, CONCURRENT_MAX_KEYS], [1, CONCURRENT_MAX_KEYS + 1]
+    assert beside("per_request", short) == beside("per_request", np.array(short)) == "concurrent"
+    assert beside("per_request", torch.tensor(short)) == "concurrent"
+    assert beside("per_request", long) == "per_request"
+    assert beside("balanced", short) == "balanced" and beside("shared_pages", short) == "shared_pages"
+    assert beside("per_request", []) == "per_request"
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])

@@ -198,14 +198,15 @@ def test_decode_16_bit(device, dtype, schedule, num_splits):
 @GARBAGE
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("variant,head_dim,seed", [("n32_w2_s5_x2", 16, 3), ("n16_w1_s5_p4", 256, 4),
-                                                    ("plain", 256, 5)],
-                         ids=["subtiles", "one-warp-d256", "plain-d256"])
-def test_decode_shared_pages_tiles(device, bad, num_splits, variant, head_dim, seed):
+                                                    ("plain", 256, 5), ("n16_w1_s4_c", 16, 6)],
+                         ids=["subtiles", "one-warp-d256", "plain-d256", "clamped-tail"])
+def test_decode_tile_variants(device, bad, num_splits, variant, head_dim, seed):
     """The "shared_pages" schedule's tiles: the sub-tiled ones (a softmax state per 16-key
     sub-tile, folded together after the key loop) and, at head_dim 256, one warp per 16
-    keys; beside them the plain rule's head_dim 256 tiles (32 keys over 4 warps). Garbage
-    poisons exactly the heads it reaches, an empty row stays (0, -inf), even where a
-    sub-tile sees only masked keys."""
+    keys; beside them the plain rule's head_dim 256 tiles (32 keys over 4 warps) and the
+    "concurrent" schedule's (the partial last tile's rows clamped to the last key, which
+    holds garbage in request 2). Garbage poisons exactly the heads it reaches, an empty
+    row stays (0, -inf), even where a sub-tile sees only masked keys."""
     q, cache, table = decode_case(bad, torch.bfloat16, device, seed=seed, d=head_dim)
     config = (policy.pick_decode_config(head_dim, torch.bfloat16, 16, work=8) if variant == "plain"
               else policy.DECODE_VARIANTS[variant])

@@ -59,6 +59,7 @@ from cascadeinfer.kernels.launch import (
     hot_roots,
     recording,
 )
+from cascadeinfer.kernels.policy import decode_schedule_beside_prefill
 from cascadeinfer.layouts.page_table import PageTable
 from cascadeinfer.layouts.paged_cache import (
     cache_tensors,
@@ -429,6 +430,8 @@ class MultiLevelCascadeAttention:
                 int(pre.qo_indptr[-1]), pre.num_groups, pre.kv_indices.size * page_size, levels[-1].num_groups,
                 self._levels[-1].schedule, prefix_share, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                 head_dim=head_dim, page_size=page_size, dtype=dtype, device=self.device)
+            # Beside the prefill level, short rows take the tiles made for sharing SMs.
+            self._levels[-1].schedule = decode_schedule_beside_prefill(self._levels[-1].schedule, levels[-1].keys)
         self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size = num_qo_heads, num_kv_heads, head_dim, page_size
         self.num_tokens = int(levels[0].qo_indptr[-1])
         self.causal = bool(causal)

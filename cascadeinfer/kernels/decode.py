@@ -1,4 +1,4 @@
-"""Paged decode: one query token per request over its own paged KV (split-KV), with two
+"""Paged decode: one query token per request over its own paged KV (split-KV), with
 schedules of the same math.
 
 - **per_request** (:mod:`cascadeinfer.kernels.decode_kernel`): every request is cut into
@@ -18,6 +18,12 @@ schedules of the same math.
   spill, 16-key tiles on one warp each. Reading from HBM the default tiles are as
   fast or faster, so nothing picks this schedule from shapes; a caller that knows its
   requests share pages (the cascade planner's flat fallback) asks for it.
+- **concurrent**: the per-request kernel for short rows whose level runs beside a
+  compute-bound kernel on another stream (the cascade's decode level beside its prefill
+  level). Many small programs, each with a shallow pipeline that keeps its partial last
+  tile inside the key loop (rows past the end read the row's last key, their scores
+  masked), so more of them fit the SMs the other kernel leaves. Nothing picks it from
+  shapes; :func:`policy.decode_schedule_beside_prefill` picks it from lengths.
 
 :func:`batch_decode_paged` takes ``schedule=``; by default :func:`pick_decode_schedule`
 chooses from shapes (the per-request plan's wave tail), and a caller that knows the lengths
@@ -117,7 +123,8 @@ def batch_decode_paged(
         kv_last_page_len: int32 ``[batch]``, tokens in each request's last page, in ``[1, page_size]``.
         kv_layout: ``"NHD"`` or ``"HND"``.
         sm_scale: softmax scale, default ``head_dim ** -0.5``.
-        num_splits: with ``schedule="per_request"`` or ``"shared_pages"``, KV splits per (request, kv head),
+        num_splits: with ``schedule="per_request"``, ``"shared_pages"`` or ``"concurrent"``, KV splits per
+            (request, kv head),
             1..256: each reads ``cdiv(num_pages, num_splits)`` consecutive pages of its
             request and the last split to finish merges them (a merge kernel, past a
             few bytes of states per program). With ``"balanced"``,
@@ -128,7 +135,9 @@ def batch_decode_paged(
             :func:`balanced_num_programs`).
         schedule: ``"per_request"``, ``"balanced"``, ``"shared_pages"`` (per-request
             programs with tiles for page lists that share most of their pages, e.g. a
-            common prefix: see the module docstring), or None: :func:`pick_decode_schedule`
+            common prefix: see the module docstring), ``"concurrent"`` (per-request
+            programs with tiles for short rows decoded beside another stream's
+            compute-bound kernel), or None: :func:`pick_decode_schedule`
             from shapes (it never reads lengths here; pass ``schedule`` from
             ``pick_decode_schedule(..., seq_lens=...)`` when lengths vary and are known
             on the host), or ``"per_request"`` when ``num_splits`` is given. The answer
@@ -244,7 +253,7 @@ def decode_with_config(
             _launch_balanced(q, kv, kv_indptr, kv_indices, kv_last_page_len, out, lse, scale, num_splits, config)
         else:
             _launch_per_request(q, kv, kv_indptr, kv_indices, kv_last_page_len, out, lse, scale, num_splits, config,
-                                shared_pages=schedule == "shared_pages")
+                                shared_pages=schedule == "shared_pages", concurrent=schedule == "concurrent")
     return out, lse
 
 
@@ -266,15 +275,17 @@ def _launch_balanced(q, kv: PagedKV, kv_indptr, kv_indices, kv_last_page_len, ou
 
 
 def _launch_per_request(q, kv: PagedKV, kv_indptr, kv_indices, kv_last_page_len, out, lse, scale: float,
-                        num_splits: int | None, config: DecodeConfig | None, *, shared_pages: bool = False) -> None:
+                        num_splits: int | None, config: DecodeConfig | None, *, shared_pages: bool = False,
+                        concurrent: bool = False) -> None:
     """The per-request schedule (this module's kernel; with splits, its last split per
     (request, kv head) merges them, or merge_states' kernel after it); ``shared_pages``:
-    the tiles for page lists that share their pages."""
+    the tiles for page lists that share their pages; ``concurrent``: for short rows
+    beside another stream's kernel."""
     device = q.device
     batch, num_qo_heads, head_dim = q.shape
     cfg = config if config is not None else pick_decode_config(
         head_dim, q.dtype, kv.page_size, work=batch * kv.num_kv_heads, num_sms=policy.planning_sms(device),
-        group_size=num_qo_heads // kv.num_kv_heads, shared_pages=shared_pages)
+        group_size=num_qo_heads // kv.num_kv_heads, shared_pages=shared_pages, concurrent=concurrent)
     if num_splits is None:
         num_splits = decode_num_splits(batch, kv.num_kv_heads, device, programs_per_sm=cfg.programs_per_sm)
     merge = num_splits > 1 and policy.merge_in_kernel(num_splits, num_qo_heads // kv.num_kv_heads, head_dim,
@@ -306,6 +317,7 @@ def _launch_splits(q, kv: PagedKV, kv_indptr, kv_indices, kv_last_page_len, out,
         PAGE_SIZE=kv.page_size,
         BLOCK_N=cfg.block_n,
         SUBTILES=cfg.subtiles,
+        CLAMP_TAIL=cfg.clamp_tail,
         NUM_STAGES=cfg.num_stages,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         SPLIT=split,

@@ -14,6 +14,11 @@ range gives ``(0, -inf)``) to scratch; with ``MERGE`` the last split of each (re
 head) to finish then merges them straight into the output in q's dtype
 (:mod:`cascadeinfer.kernels.split_merge`), else the launcher's merge kernel does.
 
+The key loop runs whole tiles and then the partial last one with masked loads; with
+``CLAMP_TAIL`` the partial tile runs inside the pipelined loop instead, its rows past the
+range's end clamped to the range's last key (unmasked loads of a real key) and only their
+scores masked, so they weigh exactly 0 (the ``"concurrent"`` schedule's tiles).
+
 Inside the kernel scores are kept in base 2: ``log2(e) * sm_scale`` is folded into one
 scale and the softmax uses ``exp2``; the LSE is turned back into a natural log at the store.
 
@@ -46,12 +51,20 @@ def decode_tile(
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    MASKED: tl.constexpr,  # the tile may reach past t_end (the tail tile)
+    MASKED: tl.constexpr,  # the tile may reach past t_end (the tail tile): masked loads
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs: exact fp32 products
+    CLAMPED: tl.constexpr = False,  # the tile may reach past t_end: rows clamped, scores masked
 ):
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    tok = t + offs_n  # [BLOCK_N]
+    key_ok = t + offs_n < t_end
+    if CLAMPED:
+        # Rows past t_end read the range's last key instead (a real key of this row, so
+        # in bounds and never the pool's garbage); their scores are masked below, so they
+        # weigh 0. Every load stays unmasked: the tail tile runs inside the pipelined loop.
+        tok = tl.minimum(t + offs_n, t_end - 1)
+    else:
+        tok = t + offs_n  # [BLOCK_N]
     if PAGE_SIZE % BLOCK_N == 0:
         # The whole tile lies inside one page (t is a multiple of BLOCK_N): one index load.
         page = tl.load(page_ptr + t // PAGE_SIZE).to(tl.int64)
@@ -82,7 +95,7 @@ def decode_tile(
         k = tl.load(k_ptr + offs, mask=mask, other=0.0)
         v = tl.load(v_ptr + offs, mask=mask, other=0.0)
 
-    return attend_tile(acc, l_i, m_i, q, k, v, qk_scale, tok < t_end, MASKED, DOT_PRECISION)
+    return attend_tile(acc, l_i, m_i, q, k, v, qk_scale, key_ok, MASKED or CLAMPED, DOT_PRECISION)
 
 
 @triton.jit
@@ -194,6 +207,7 @@ def decode_kernel(
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,  # keys per tile
     SUBTILES: tl.constexpr,  # > 1: each tile cut into this many sub-tiles with a state each (decode_subtiles)
+    CLAMP_TAIL: tl.constexpr,  # SUBTILES == 1: the partial last tile inside the loop, rows clamped (decode_tile)
     NUM_STAGES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SPLIT: tl.constexpr,  # False: one split, write out and lse; True: write this split's partial state
@@ -230,7 +244,16 @@ def decode_kernel(
     v_head = v_ptr + head_off
     page_ptr = kv_indices_ptr + row_start
 
-    if SUBTILES == 1:
+    if SUBTILES == 1 and CLAMP_TAIL:
+        acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
+        l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+        for t in tl.range(t_begin, t_end, BLOCK_N, num_stages=NUM_STAGES):
+            acc, l_i, m_i = decode_tile(
+                acc, l_i, m_i, q, k_head, v_head, page_ptr, t, t_end, stride_page, stride_token,
+                qk_scale, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, False, DOT_PRECISION, True,
+            )
+    elif SUBTILES == 1:
         acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
         l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
         m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)

@@ -247,6 +247,7 @@ class DecodeConfig:
     min_tokens: int = 256
     pdl: bool = True
     subtiles: int = 1
+    clamp_tail: bool = False
 
     def __post_init__(self) -> None:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
@@ -254,7 +255,7 @@ class DecodeConfig:
         if self.subtiles < 1 or self.subtiles & (self.subtiles - 1) or self.block_n // self.subtiles < 16:
             raise ValueError(f"subtiles: expected a power of two leaving >= 16 keys per sub-tile, got {self.subtiles}")
         if (self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1 or self.programs_per_sm < 1
-                or self.min_tokens < 1):
+                or self.min_tokens < 1 or (self.clamp_tail and self.subtiles > 1)):
             raise ValueError(f"invalid DecodeConfig {self}")
 
 
@@ -283,6 +284,11 @@ DECODE_VARIANTS: dict[str, DecodeConfig] = {
     # schedule's tiles at head_dim 256 (sm_90a: 255 registers, 228 bytes spilled, 40 KiB),
     # where (16, 65536, 1024) over shared pages was fastest at 4 splits (128 pairs).
     "n16_w1_s5_p4": DecodeConfig(block_n=16, num_warps=1, num_stages=5, programs_per_sm=4),
+    # The same one-warp tiles with the partial last tile inside the key loop (its rows
+    # clamped to the range's last key, only the scores masked) and 4 stages (16 KiB):
+    # the "concurrent" schedule's tiles, a decode level of short rows beside a prefill
+    # kernel on another stream.
+    "n16_w1_s4_c": DecodeConfig(block_n=16, num_warps=1, num_stages=4, programs_per_sm=8, clamp_tail=True),
 }
 
 MAX_SPLITS = 256
@@ -290,7 +296,7 @@ MAX_SPLITS = 256
 
 def pick_decode_config(head_dim: int, dtype: torch.dtype, page_size: int, *, work: int | None = None,
                        num_sms: int = REFERENCE_SMS, group_size: int | None = None,
-                       shared_pages: bool = False) -> DecodeConfig:
+                       shared_pages: bool = False, concurrent: bool = False) -> DecodeConfig:
     """The stage-1 launch parameters :func:`batch_decode_paged` uses for these shapes.
 
     ``work``: ``batch * num_kv_heads``, the programs before any split (None: many). The
@@ -320,7 +326,20 @@ def pick_decode_config(head_dim: int, dtype: torch.dtype, page_size: int, *, wor
     each, whose softmax never crosses warps (H200, 2026-11-28: the cascade's decode level
     alone 42.4 / 68.7 / 40.8 us against 44.5 / 70.4 / 42.2 at (256, 4096, 144 / 256) and
     (512, 1024, 64), the cascade 82.2 / 84.9 / 69.5 against 81.2 / 102 / 71.3; plain
-    decode of 128 x 8K and 256 x 4K 962 / 966 against 973 / 977).
+    decode of 128 x 8K and 256 x 4K 962 / 966 against 973 / 977), and so do 2 to 7.5 SMs
+    of work, where the one-warp tiles were 6-28% ahead of the n64/n128 tiles over rows of
+    256-1031 keys and within 3.1% over rows of 4-8K (H200, 2026-11-28, decode level alone /
+    cascade, µs: (48, 8192, 263) 19.0 / 42.4 against 21.5 / 47.0, (96, 4096, 263) 30.6 /
+    47.2 against 42.4 / 60.8, (64, 1024, 1031) 67.0 / 74.2 against 75.3 / 92.3, (64, 1024,
+    8199) 487 / 512 against 490 / 502).
+
+    ``concurrent`` (the ``"concurrent"`` schedule: a decode level of short rows beside a
+    prefill kernel on another stream, :func:`decode_schedule_beside_prefill`): from 7.5
+    SMs of work, where the plain rule takes n16_w1_s5, n16_w1_s4_c instead: 4 stages
+    and the partial last tile inside the pipelined loop. Beside the prefill level the
+    cascade then took 86.6 / 84.4 / 80.6 / 75.2 / 50.1 µs against 91.7 / 85.8 / 81.0 /
+    79.8 / 51.4 at (256, 4096, 263 / 256 / 144), (512, 1024, 71) and (128, 4096, 263)
+    (H200, 2026-11-28); below 7.5 SMs its shallower pipeline lost alone.
 
     ``shared_pages`` (the ``"shared_pages"`` schedule: the requests' page lists share most
     of their pages): n32_w2_s5_x2, two 16-key sub-tiles per tile with a warp and a softmax
@@ -361,7 +380,9 @@ def pick_decode_config(head_dim: int, dtype: torch.dtype, page_size: int, *, wor
         # one fit, half the split plan's residency: 0.64 of the copy bandwidth at 4 x 32K.
         return DecodeConfig(block_n=32, num_warps=4, num_stages=5)
     one, two, three = DECODE_VARIANTS["n128_w4_s5"], DECODE_VARIANTS["n128_w4_s3"], DECODE_VARIANTS["n64_w4_s5"]
-    if work is not None and group_size is not None and group_size <= 4 and block_d == 128 and 2 * work >= 15 * num_sms:
+    if work is not None and group_size is not None and group_size <= 4 and block_d == 128 and work >= 2 * num_sms:
+        if concurrent and 2 * work >= 15 * num_sms:
+            return DECODE_VARIANTS["n16_w1_s4_c"]
         return DECODE_VARIANTS["n16_w1_s5"]
     if work is None or work > 3 * num_sms:
         return two
@@ -483,7 +504,10 @@ def balanced_num_programs(num_kv_heads: int, device: torch.device | str, *,
     return max(1, min(MAX_BALANCED_PROGRAMS, num_sms * programs_per_sm // num_kv_heads))
 
 
-SCHEDULES = ("per_request", "balanced", "shared_pages")
+SCHEDULES = ("per_request", "balanced", "shared_pages", "concurrent")
+# The "concurrent" schedule's tiles win beside a prefill level only over short rows: the
+# longest row a cascade hands them (decode_schedule_beside_prefill).
+CONCURRENT_MAX_KEYS = 512
 # The per-request plan is kept while its busiest SM has at most 1/0.9 of the average work
 # (H100, bf16 Hq 32 Hkv 8 D 128, fraction of copy, per-request vs balanced: 17x8K 0.83 vs
 # 0.95 (fill 0.69), 40x4K 0.94 vs 0.96 (0.81), 100x4K 0.95 vs 0.99 (0.87); 64x4K 0.997 vs
@@ -523,6 +547,24 @@ def pick_decode_schedule(batch: int, num_kv_heads: int, device: torch.device | s
         if longest > 0 and float(lens.sum()) / batch < _MIN_LENGTH_BALANCE * longest:
             return "balanced"
     return "per_request"
+
+
+def decode_schedule_beside_prefill(schedule: str, seq_lens) -> str:
+    """The schedule of a decode level that runs beside a prefill kernel on another stream
+    (``MultiLevelCascadeAttention``'s side stream), from the one it would run alone.
+
+    ``"concurrent"`` where every row holds at most :data:`CONCURRENT_MAX_KEYS` keys and
+    the schedule is ``"per_request"``; else ``schedule`` unchanged. ``seq_lens``: host
+    ints (numpy array, list or CPU tensor), tokens per row. The concurrent tiles
+    (:func:`pick_decode_config` with ``concurrent``) keep fewer loads in flight per program,
+    which costs long rows (H200, bf16, Hq 32 / Hkv 8, cascades at (48, 1024, 8199) 391 ->
+    614 µs, at (128, 1024, 8199) 982 -> 1004) and helps short ones beside the prefill
+    level (benchmarks/NOTES.md, "Decode").
+    """
+    if schedule != "per_request":
+        return schedule
+    lens = np.asarray(host_array(seq_lens)).reshape(-1)
+    return "concurrent" if lens.size and int(lens.max()) <= CONCURRENT_MAX_KEYS else schedule
 
 
 # ---------------------------------------------------------------------------------- merge
