@@ -244,25 +244,19 @@ def decode_kernel(
     v_head = v_ptr + head_off
     page_ptr = kv_indices_ptr + row_start
 
-    if SUBTILES == 1 and CLAMP_TAIL:
+    if SUBTILES == 1:
         acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
         l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
         m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
-        for t in tl.range(t_begin, t_end, BLOCK_N, num_stages=NUM_STAGES):
+        loop_end = t_full
+        if CLAMP_TAIL:
+            loop_end = t_end  # the partial last tile too, its rows clamped (decode_tile)
+        for t in tl.range(t_begin, loop_end, BLOCK_N, num_stages=NUM_STAGES):
             acc, l_i, m_i = decode_tile(
                 acc, l_i, m_i, q, k_head, v_head, page_ptr, t, t_end, stride_page, stride_token,
-                qk_scale, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, False, DOT_PRECISION, True,
+                qk_scale, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, False, DOT_PRECISION, CLAMP_TAIL,
             )
-    elif SUBTILES == 1:
-        acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
-        l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
-        m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
-        for t in tl.range(t_begin, t_full, BLOCK_N, num_stages=NUM_STAGES):
-            acc, l_i, m_i = decode_tile(
-                acc, l_i, m_i, q, k_head, v_head, page_ptr, t, t_end, stride_page, stride_token,
-                qk_scale, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, False, DOT_PRECISION,
-            )
-        if t_full < t_end:
+        if not CLAMP_TAIL and t_full < t_end:
             acc, l_i, m_i = decode_tile(
                 acc, l_i, m_i, q, k_head, v_head, page_ptr, t_full, t_end, stride_page, stride_token,
                 qk_scale, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, True, DOT_PRECISION,
