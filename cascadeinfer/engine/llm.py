@@ -456,10 +456,12 @@ class LLM:
         if self._workers is not None and self.runner.graphs is not None and rows:
             # The workers' next step may take its tokens from these, before rank 0 reads them.
             self._workers.send_samples(step.device_tokens, [s.seq_id for s in rows])
+        max_model_len = self.config.max_model_len
         for seq in rows:
-            seq.tokens.append(_PLACEHOLDER)
+            tokens = seq.tokens
+            tokens.append(_PLACEHOLDER)
             # A length limit needs no token value: finish now, so the next step has no row for it.
-            if seq.num_tokens - seq.prompt_len >= seq.params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            if len(tokens) - seq.prompt_len >= seq.params.max_tokens or len(tokens) >= max_model_len:
                 self.scheduler.finish(seq, "length")
         self._pending = step if rows else None  # a step of beams only: nothing left to read
         self._num_steps += 1
@@ -540,6 +542,7 @@ class LLM:
         placeholders, finish the sequences that sampled a stop token; the outputs of the
         requests that gained tokens (``updates``), or of those that finished."""
         touched: dict[int, None] = {}
+        ended: set[int] = set()  # requests with a sequence that has finished: maybe all of them
         for (seq, _), token in zip(pending.targets, pending.values()):
             req = self._requests[seq.request_id]
             seq.tokens[-1] = token
@@ -549,8 +552,10 @@ class LLM:
                 else:
                     self.scheduler.finish(seq, "stop")
             touched[seq.request_id] = None
+            if seq.finished:
+                ended.add(seq.request_id)
         outputs = [self._output(self._requests[rid]) for rid in touched
-                   if updates or all(seq.finished for seq in self._requests[rid].seqs)]
+                   if updates or (rid in ended and all(seq.finished for seq in self._requests[rid].seqs))]
         for out in outputs:
             if out.finished:
                 del self._requests[out.request_id]

@@ -368,9 +368,15 @@ class DecodeGraphs:
         def put(buf: torch.Tensor, values: list[int]) -> None:
             buf[:batch].copy_(host_tensor(values, buf.dtype), non_blocking=True)
 
-        positions = [s.num_tokens - 1 for s in seqs]
         own = own_indptr.tolist()
-        put(self.input_ids, [max(s.tokens[-1], 0) for s in seqs] + pad)
+        ids, positions, slots = [], [], []
+        for s, a, b in zip(seqs, own, own[1:]):  # one pass: this runs for every row at every step
+            tokens = s.tokens
+            pos = len(tokens) - 1
+            ids.append(max(tokens[-1], 0))
+            positions.append(pos)
+            slots.append(pos - (len(s.pages) - (b - a)) * ps)
+        put(self.input_ids, ids + pad)
         if previous is not None:
             tokens, row_of = previous
             rows = [(i, row_of[s.seq_id]) for i, s in enumerate(seqs) if s.seq_id in row_of]
@@ -380,8 +386,7 @@ class DecodeGraphs:
                 self.input_ids.index_copy_(0, index[:len(rows)], tokens.index_select(0, index[len(rows):]))
         put(self.positions, positions + pad)
         put(self.append_rows, list(range(n)) + [-1] * (batch - n))
-        put(self.append_positions, [pos - (len(s.pages) - (b - a)) * ps
-                                    for pos, s, a, b in zip(positions, seqs, own, own[1:])] + pad)
+        put(self.append_positions, slots + pad)
 
     def _forward(self, batch: int, attn: MultiLevelCascadeAttention) -> torch.Tensor:
         pool, layout, scale = self.pool, self.kv_layout, self.sm_scale

@@ -259,11 +259,23 @@ class Scheduler:
 
     def advance(self, batch: ScheduledBatch) -> None:
         """The step's tokens are in the cache: move ``num_computed`` on, offer full pages."""
-        for seq, n in [*batch.prefill, *((seq, 1) for seq in batch.decode)]:
+        register = self.cache.register
+        for seq, n in batch.prefill:
             self.num_computed_tokens += n
             self.num_computed_prompt_tokens += max(0, min(seq.num_computed + n, seq.prompt_len) - seq.num_computed)
             seq.num_computed += n
-            self.cache.register(seq)
+            register(seq)
+        # Decode rows, one token each: the same, with the cache offered only the rows
+        # whose computed tokens now fill a page it has not seen (what register checks first).
+        ps = self.page_size
+        self.num_computed_tokens += len(batch.decode)
+        for seq in batch.decode:
+            computed = seq.num_computed
+            if computed < seq.prompt_len:
+                self.num_computed_prompt_tokens += 1
+            seq.num_computed = computed = computed + 1
+            if computed // ps > seq.num_registered:
+                register(seq)
 
     def fork(self, parent: Sequence) -> list[Sequence]:
         """Start ``parent``'s waiting samples: they share all its pages and progress."""
