@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cascadeinfer.kernels import decode as decode_mod
-from cascadeinfer.kernels.decode import batch_decode_paged, batch_decode_paged_ref
 from cascadeinfer.kernels import policy
+from cascadeinfer.kernels.decode import batch_decode_paged, batch_decode_paged_ref
 from cascadeinfer.kernels.policy import (
     CONCURRENT_MAX_KEYS,
     DECODE_VARIANTS,
