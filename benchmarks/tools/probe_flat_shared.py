@@ -14,8 +14,9 @@ fallback runs) and the balanced schedule. CUDA-graph replays over rotated
 pools; every answer is checked against the default's first. (A program order with
 requests before splits was measured too and not kept: benchmarks/NOTES.md, "Flat decode
 over shared prefixes".) ``--head-dim`` changes D; ``--configs`` adds launch configs
-that are not variants, named ``n<keys>_w<warps>_s<stages>[_x<sub-tiles>]``, each timed under
-the per-request schedule at every split count and under the balanced one. FlashInfer's
+that are not variants, named ``n<keys>_w<warps>_s<stages>[_x<sub-tiles>][_p<k>][_c]``,
+each timed under the per-request schedule at every split count and under the balanced
+one. FlashInfer's
 row needs its prebuilt kernels (head_dim 128) unless ``--fi-jit`` lets it compile others.
 """
 
@@ -119,7 +120,8 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="*", help="only these shapes, as batch,prefix,suffix")
     ap.add_argument("--variants", nargs="*", default=list(DECODE_VARIANTS), choices=list(DECODE_VARIANTS))
     ap.add_argument("--splits", nargs="*", type=int, default=list(SPLITS))
-    ap.add_argument("--configs", nargs="*", default=[], help="more launch configs, n<keys>_w<warps>_s<stages>[_x<k>]")
+    ap.add_argument("--configs", nargs="*", default=[],
+                    help="more launch configs, n<keys>_w<warps>_s<stages>[_x<k>][_p<k>][_c]")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--fi-jit", action="store_true", help="let FlashInfer JIT-compile head dims it does not ship")
     args = ap.parse_args()

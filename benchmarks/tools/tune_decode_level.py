@@ -7,8 +7,9 @@
 The two-stream cascade of ``tools/tune_overlap`` (the prefix level on the main stream at
 the plan's split count, the per-request decode level on a side stream, one merge), with
 the decode level run by each ``DECODE_VARIANTS`` entry in turn (and each ``--configs``
-launch config, named ``n<keys>_w<warps>_s<stages>[_x<sub-tiles>]``), and that decode level
-alone; CUDA-graph replays over rotated pools. Every answer is checked against the
+launch config, named ``n<keys>_w<warps>_s<stages>[_x<sub-tiles>][_p<k>][_c]`` as
+``benchmarks._common.parse_config`` reads them), and that decode level alone; CUDA-graph
+replays over rotated pools. Every answer is checked against the
 public default's (bf16, Hq 32, Hkv 8, D 128, page 16).
 """
 
@@ -45,7 +46,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES), help="batch,prefix,suffix triples")
     ap.add_argument("--variants", nargs="*", default=list(DECODE_VARIANTS), choices=list(DECODE_VARIANTS))
-    ap.add_argument("--configs", nargs="*", default=[], help="more launch configs, n<keys>_w<warps>_s<stages>[_x<k>]")
+    ap.add_argument("--configs", nargs="*", default=[],
+                    help="more launch configs, n<keys>_w<warps>_s<stages>[_x<k>][_p<k>][_c]")
     ap.add_argument("--rep-ms", type=int, default=50)
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args()
