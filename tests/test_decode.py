@@ -273,6 +273,29 @@ def test_clamped_tail_tiles(device, page_size, head_dim):
             check_against_reference(q, cache, indptr, indices, last, o, s)
 
 
+@settings(max_examples=10, deadline=None)
+@given(
+    lens=st.lists(st.integers(0, 80), min_size=1, max_size=4),
+    page_size=st.sampled_from([1, 3, 16]),
+    hkv=st.integers(1, 2),
+    group=st.integers(1, 5),
+    head_dim=st.sampled_from([16, 24, 64]),
+    num_splits=st.integers(1, 4),
+    dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]),
+    block_n=st.sampled_from([16, 32]),
+    num_stages=st.sampled_from([2, 4]),
+    seed=st.integers(0, 2**16),
+)
+def test_clamped_tail_random_shapes(lens, page_size, hkv, group, head_dim, num_splits, dtype, block_n, num_stages,
+                                    seed):
+    """The clamped-tail tiles on random rows, page sizes, groups, head dims, splits and
+    dtypes: the float64 reference's answer, as every other tile config gives."""
+    cfg = DecodeConfig(block_n=block_n, num_warps=1, num_stages=num_stages, clamp_tail=True)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    run_config(device, cfg, num_splits=num_splits, lens=lens, page_size=page_size, hq=hkv * group, hkv=hkv,
+               head_dim=head_dim, dtype=dtype, seed=seed)
+
+
 def test_clamp_tail_needs_one_state_per_tile():
     with pytest.raises(ValueError, match="DecodeConfig"):
         DecodeConfig(block_n=32, num_warps=2, num_stages=5, subtiles=2, clamp_tail=True)
