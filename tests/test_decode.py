@@ -210,8 +210,9 @@ def test_reference_helper_matches_rowwise_reference(device):
         torch.testing.assert_close(s[b], s_ref[0])
 
 
-@settings(max_examples=12, deadline=None)
-@given(
+# Random decode batches: rows of 0-80 keys, small and odd pages, GQA 1-5, padded and
+# unpadded head dims, splits, every dtype.
+RANDOM_ROWS = dict(
     lens=st.lists(st.integers(0, 80), min_size=1, max_size=4),
     page_size=st.sampled_from([1, 3, 16]),
     hkv=st.integers(1, 2),
@@ -219,9 +220,12 @@ def test_reference_helper_matches_rowwise_reference(device):
     head_dim=st.sampled_from([16, 24, 64]),
     num_splits=st.integers(1, 4),
     dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]),
-    layout=st.sampled_from(["NHD", "HND"]),
     seed=st.integers(0, 2**16),
 )
+
+
+@settings(max_examples=12, deadline=None)
+@given(**RANDOM_ROWS, layout=st.sampled_from(["NHD", "HND"]))
 def test_random_shapes(lens, page_size, hkv, group, head_dim, num_splits, dtype, layout, seed):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     run_and_check(device, lens=lens, page_size=page_size, hq=hkv * group, hkv=hkv, head_dim=head_dim,
@@ -274,18 +278,7 @@ def test_clamped_tail_tiles(device, page_size, head_dim):
 
 
 @settings(max_examples=10, deadline=None)
-@given(
-    lens=st.lists(st.integers(0, 80), min_size=1, max_size=4),
-    page_size=st.sampled_from([1, 3, 16]),
-    hkv=st.integers(1, 2),
-    group=st.integers(1, 5),
-    head_dim=st.sampled_from([16, 24, 64]),
-    num_splits=st.integers(1, 4),
-    dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]),
-    block_n=st.sampled_from([16, 32]),
-    num_stages=st.sampled_from([2, 4]),
-    seed=st.integers(0, 2**16),
-)
+@given(**RANDOM_ROWS, block_n=st.sampled_from([16, 32]), num_stages=st.sampled_from([2, 4]))
 def test_clamped_tail_random_shapes(lens, page_size, hkv, group, head_dim, num_splits, dtype, block_n, num_stages,
                                     seed):
     """The clamped-tail tiles on random rows, page sizes, groups, head dims, splits and
