@@ -5,9 +5,10 @@ list each time costs time in the list's length (SmolLM2's tokenizer on a 2-core 
 25 µs for 128 tokens, 48 for 256), so a generation pays the square of its length and 256
 streamed requests pay milliseconds per step. :class:`IncrementalText` decodes only a
 window, the tokens read at the last update and those added since (2-3 µs an update), and
-appends what the window's text gained. Decoding the window's first token in both texts keeps what a tokenizer does at
-the start of a text (a leading space stripped) out of the difference; text ending in an
-unfinished UTF-8 character (U+FFFD) waits for the next token. A sample's final text is
+appends what the window's text gained. Decoding the window's first token in both texts
+keeps what a tokenizer does at the start of a text (a leading space stripped) out of the
+difference; text ending in an unfinished UTF-8 character (U+FFFD) waits for the next
+token. A sample's final text is
 decoded whole (``LLM._output``), so only the texts of its updates come from here.
 """
 

@@ -371,9 +371,8 @@ class DecodeGraphs:
         own = own_indptr.tolist()
         ids, positions, slots = [], [], []
         for s, a, b in zip(seqs, own, own[1:]):  # one pass: this runs for every row at every step
-            tokens = s.tokens
-            pos = len(tokens) - 1
-            ids.append(max(tokens[-1], 0))
+            pos = len(s.tokens) - 1
+            ids.append(max(s.tokens[-1], 0))
             positions.append(pos)
             slots.append(pos - (len(s.pages) - (b - a)) * ps)
         put(self.input_ids, ids + pad)
