@@ -18,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from test_prefill import TOL, check_state, make_paged, poisoned
@@ -162,6 +163,41 @@ def test_hopper_default_rule(monkeypatch, tokens, hkv, d, keys, groups, expect):
     kv = _AlignedKV(_meta_source(hkv=hkv, d=d, num_indices=keys // 16))
     assert B.pick_prefill_backend(None, q, kv, False, 128, groups) == expect
     assert B.pick_prefill_backend("portable", q, kv, False, 128, groups) == "portable"
+
+
+@pytest.mark.parametrize("batch,prefix,backend,groups,expect", [
+    (128, 32768, None, 1, None),  # 512 packed rows over 32K keys: 2^24
+    (64, 32768, None, 1, None),  # 256 rows: 2^23
+    (64, 16384, None, 1, "portable"),  # 2^22
+    (256, 4096, None, 1, "portable"),  # the engine's prefix level: 1024 rows over 4K keys
+    (128, 32768, None, 2, "portable"),  # two groups
+    (64, 16384, "hopper", 1, "hopper"),
+    (128, 32768, "portable", 1, "portable"),
+])
+def test_cascade_picks_each_prefill_level_from_its_keys(batch, prefix, backend, groups, expect):
+    """The cascade's prefill levels: with ``backend=None`` the launcher's own rule (None,
+    so the launcher takes the Hopper kernel where it runs) inside its shape bounds, counted
+    from the level's keys, else "portable"; a graph plan's capacity (its page tables sized
+    for far more keys) changes nothing, and the first plan's pick is kept."""
+    ps, hq, hkv, d = 16, 32, 8, 128
+    per_group = prefix // ps
+    suffix_pages = 1
+    qo0 = np.linspace(0, batch, groups + 1).astype(np.int64)
+    kv0 = np.arange(groups + 1, dtype=np.int64) * per_group
+    idx0 = np.arange(groups * per_group, dtype=np.int64)
+    own = groups * per_group + np.arange(batch, dtype=np.int64)
+    tables = ([qo0, np.arange(batch + 1)], [kv0, np.arange(batch + 1) * suffix_pages], [idx0, own],
+              [np.full(groups, ps), np.full(batch, 5)])
+    for graph in (False, True):
+        kw = dict(use_cuda_graph=True, max_pages=[groups * per_group * 4, batch * 4]) if graph else {}
+        casc = MultiLevelCascadeAttention(2, device="cpu", backend=backend, **kw)
+        casc.plan(*tables, hq, hkv, d, ps, use_cascade=True, dtype=torch.bfloat16)
+        assert casc._levels[0].backend == expect and casc._levels[1].decode
+        if graph:  # a later plan with a short prefix keeps the first plan's kernel
+            short = ([qo0, np.arange(batch + 1)], [np.arange(groups + 1) * 2, np.arange(batch + 1) * suffix_pages],
+                     [idx0[:2 * groups], own], tables[3])
+            casc.plan(*short, hq, hkv, d, ps, use_cascade=True, dtype=torch.bfloat16)
+            assert casc._levels[0].backend == expect
 
 
 class _AlignedKV:
@@ -396,7 +432,7 @@ def test_hopper_replays_through_the_direct_launcher_and_the_hot_path(monkeypatch
 
 @hopper_gpu
 @pytest.mark.gpu
-def test_hopper_is_the_default_for_a_large_group():
+def test_hopper_is_the_default_for_a_large_group(monkeypatch):
     """backend=None runs the Hopper kernel on one group of 2^23 packed rows x keys (256
     queries x G 4 over 8192 keys), the portable kernel below it; both against float64."""
     device = torch.device("cuda")
@@ -410,8 +446,18 @@ def test_hopper_is_the_default_for_a_large_group():
         new = [r for r in P._PAGED._items.values() if id(r) not in before]
         assert new, "the call was not recorded"
         assert any(ln.descriptors for r in new for ln in r.launches) == expect
+    # The cascade's prefix level picks the same way, from the level's keys: (128, 32768,
+    # 512)'s, 512 packed rows over 32K keys, runs on the Hopper kernel beside the decode level.
+    plan, q, cache, ref = _two_levels(device, batch=128, prefix=32768, hkv=2, group=4, d=128, ps=16,
+                                      dtype=torch.bfloat16, seed=12)
     casc = MultiLevelCascadeAttention(2, device=device)
-    assert casc.backend == "portable"  # beside the decode level the Hopper kernel is slower
+    casc.plan(*plan, use_cascade=True)
+    assert casc.backend is None and casc._levels[0].backend is None
+    launched = []
+    real = P.launch_prefill
+    monkeypatch.setattr(P, "launch_prefill", lambda *a, **k: launched.append(k["backend"]) or real(*a, **k))
+    check_state(*casc.run(q, cache, return_lse=True), *ref, torch.bfloat16)
+    assert launched == ["hopper"]
 
 
 def _two_levels(device, *, batch, prefix, hkv, group, d, ps, dtype, seed):

@@ -47,7 +47,7 @@ from cascadeinfer.kernels import (
     merge_state,
     pick_decode_schedule,
 )
-from cascadeinfer.kernels.backend import check_backend
+from cascadeinfer.kernels.backend import check_backend, hopper_prefill_shape
 from cascadeinfer.kernels.launch import (
     LAUNCH,
     RECORD,
@@ -81,6 +81,7 @@ class _DeviceLevel(LevelTensors):
     decode: bool
     num_splits: int | None = None  # prefill levels: KV splits (None: the kernel's default)
     schedule: str | None = None  # decode levels: batch_decode_paged's schedule (None: from shapes)
+    backend: str | None = "portable"  # prefill levels: batch_prefill_paged's backend
 
 
 def _device_levels(levels: list[LevelArrays], packed: torch.Tensor, sizes: list[int]) -> list[_DeviceLevel]:
@@ -239,15 +240,15 @@ class MultiLevelCascadeAttention:
             collective sits between them) and outside ``torch.compile``; not with
             ``use_cuda_graph``, nor on a causal last level.
         context_parallel_group: the process group (default: the default group).
-        backend: the prefill kernel of the levels above the last: ``None`` or
-            ``"portable"`` (the portable kernel), or ``"hopper"`` (the warp-specialised
-            kernel on compute capability 9.0 for every such level; a level it does not
-            run, e.g. a group of fewer than 65 packed rows, raises a ``ValueError`` at
-            ``run``). ``None`` does not pick the Hopper kernel here as
-            :func:`~cascadeinfer.batch_prefill_paged` does for large groups: beside the
-            decode level on its side stream it is slower, each of its programs holding a
-            whole multiprocessor (benchmarks/RESULTS.md). Decode levels always run the
-            decode kernel.
+        backend: the prefill kernel of the levels that are not decode levels: ``None``
+            (per level, as :func:`~cascadeinfer.batch_prefill_paged` picks, with the
+            bounds taken from the level's own keys at plan time: the Hopper kernel on
+            compute capability 9.0 for one group of >= 256 packed rows over >= 2^23 packed
+            rows x keys, else the portable kernel; a plan with ``use_cuda_graph`` keeps its
+            first plan's pick), ``"portable"``, or ``"hopper"`` (the warp-specialised
+            kernel for every such level; a level it does not run, e.g. a group of fewer
+            than 65 packed rows, raises a ``ValueError`` at ``run``). Decode levels always
+            run the decode kernel.
 
     Example (two levels, shared-prefix batch decode)::
 
@@ -264,7 +265,7 @@ class MultiLevelCascadeAttention:
                  backend: str | None = None):
         if not isinstance(num_levels, int) or isinstance(num_levels, bool) or num_levels < 1:
             raise ValueError(f"num_levels: expected a positive int, got {num_levels!r}")
-        self.backend = check_backend(backend) or "portable"
+        self.backend = check_backend(backend)
         self.num_levels = num_levels
         if not isinstance(use_cuda_graph, bool):
             raise TypeError(f"use_cuda_graph: expected a bool, got {type(use_cuda_graph).__name__}")
@@ -403,6 +404,15 @@ class MultiLevelCascadeAttention:
         else:
             (self._flat,), self._packed_flat = _upload(
                 [flat], self.device, [self._flat] if self._flat else [], self._packed_flat)
+        if self.use_cascade:
+            # Each prefill level's kernel from its own keys (its page table may be a graph
+            # plan's capacity, which the launcher's bounds would read as its length).
+            group = num_qo_heads // num_kv_heads
+            for dev, host in zip(self._levels, levels):
+                if not dev.decode:
+                    dev.backend = self.backend if self.backend is not None else (None if hopper_prefill_shape(
+                        int(host.qo_indptr[-1] - host.qo_indptr[0]) * group, int(host.keys.max(initial=0)),
+                        head_dim, host.num_groups) else "portable")
         # A decode level's schedule from its lengths, known here on the host: the balanced
         # one when they vary a lot or the per-request grid ends in a partial wave.
         dev_level, host_level = (self._levels[-1], levels[-1]) if self.use_cascade else (self._flat, flat)
@@ -492,7 +502,7 @@ class MultiLevelCascadeAttention:
         return (
             self.use_cascade, self._overlap, self.num_tokens, self.causal, self.sm_scale,
             self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size,
-            *((lv.decode, lv.num_splits, lv.schedule, *((t.data_ptr(), t.shape) for t in lv.tensors()))
+            *((lv.decode, lv.num_splits, lv.schedule, lv.backend, *((t.data_ptr(), t.shape) for t in lv.tensors()))
               for lv in levels),
         )
 
@@ -509,7 +519,7 @@ class MultiLevelCascadeAttention:
                 torch.ops.cascadeinfer.batch_prefill_paged(
                     q, level.qo_indptr, k_cache, v_cache, level.kv_indptr, level.kv_indices,
                     level.kv_last_page_len, causal, self.kv_layout, sm_scale, level.num_splits, out, lse,
-                    backend=self.backend)
+                    backend=level.backend)
         elif level.decode:
             # One query per group: causal changes nothing (the query sees every key).
             batch_decode_paged(q, paged_kv_cache, level.kv_indptr, level.kv_indices, level.kv_last_page_len,
@@ -518,7 +528,7 @@ class MultiLevelCascadeAttention:
         else:
             batch_prefill_paged(q, level.qo_indptr, paged_kv_cache, level.kv_indptr, level.kv_indices,
                                 level.kv_last_page_len, causal=causal, kv_layout=self.kv_layout, sm_scale=sm_scale,
-                                num_splits=level.num_splits, out=out, lse=lse, validate=False, backend=self.backend)
+                                num_splits=level.num_splits, out=out, lse=lse, validate=False, backend=level.backend)
 
     def _merge(self, o_a, lse_a, o_b, lse_b, out, lse) -> None:
         if torch.compiler.is_compiling():

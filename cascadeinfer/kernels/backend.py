@@ -11,9 +11,9 @@ launcher that has one takes ``backend``:
   kernel that is one group (shared-prefix attention) of at least
   :data:`HOPPER_PREFILL_MIN_ROWS` packed query rows and :data:`HOPPER_PREFILL_MIN_WORK`
   packed rows x keys (:func:`pick_prefill_backend`; benchmarks/NOTES.md, "Prefix /
-  prefill kernel", v5). A cascade's prefix levels run
-  beside its decode level, where the Hopper kernel is slower: there ``None`` means
-  the portable kernel (:class:`~cascadeinfer.MultiLevelCascadeAttention`).
+  prefill kernel", v5). A cascade applies the same bounds to each prefill level from the
+  level's own keys at plan time (:func:`hopper_prefill_shape`), not from its page table's
+  capacity (:class:`~cascadeinfer.MultiLevelCascadeAttention`).
 * ``"portable"``: always the portable ``tl.dot`` kernel (the reference; what the CPU
   interpreter runs).
 * ``"hopper"``: the Hopper kernel, or a ``ValueError`` saying why it cannot run here.
@@ -138,6 +138,17 @@ def tma_rows(kv) -> int | None:
     return rows if rows < 2**31 else None
 
 
+def hopper_prefill_shape(rows: int, max_keys: int, head_dim: int, num_groups: int) -> bool:
+    """Whether a prefill launch of ``num_groups`` groups, ``rows`` packed query rows (query
+    tokens x query heads per kv head) and at most ``max_keys`` keys a group is inside the
+    shape bounds where ``backend=None`` takes the Hopper kernel: one group of at least
+    :data:`HOPPER_PREFILL_MIN_ROWS` rows and :data:`HOPPER_PREFILL_MIN_WORK` rows x keys.
+    The device and the tensors (:func:`prefill_declines`) decide the rest at the launch."""
+    min_work = HOPPER_PREFILL_MIN_WORK.get(head_dim)
+    return (num_groups == 1 and rows >= HOPPER_PREFILL_MIN_ROWS and min_work is not None
+            and rows * max_keys >= min_work)
+
+
 def pick_prefill_backend(backend: str | None, q: torch.Tensor, kv, causal: bool, block_m: int,
                          num_groups: int) -> str:
     """The backend a prefill launch of ``num_groups`` groups runs on (see the module
@@ -149,9 +160,7 @@ def pick_prefill_backend(backend: str | None, q: torch.Tensor, kv, causal: bool,
         return "portable"
     if backend is None:  # the shape bounds first: they cost nothing, the declines ask the device
         rows = q.shape[0] * (q.shape[1] // kv.num_kv_heads)
-        min_work = HOPPER_PREFILL_MIN_WORK.get(q.shape[2])
-        if (num_groups != 1 or rows < HOPPER_PREFILL_MIN_ROWS or min_work is None
-                or rows * kv.max_kv_len < min_work):
+        if not hopper_prefill_shape(rows, kv.max_kv_len, q.shape[2], num_groups):
             return "portable"
     reason = prefill_declines(q, kv, causal, block_m)
     if backend == "hopper":
