@@ -249,3 +249,27 @@ def test_prefix_takes_its_whole_grid_beside_whole_sm_decode_programs():
         assert plan_mod.prefix_splits_beside_decode(batch, 1, prefix, batch, "per_request", share, **kw) == shared
     assert whole_sm_decode_programs(16, 32, 8, 128, bf16, 16, cpu) == 128
     assert whole_sm_decode_programs(256, 32, 8, 128, bf16, 16, cpu) == 0
+
+
+def test_prefix_of_a_few_rows_takes_the_side_stream_with_its_whole_grid():
+    # (4, 8192, 4096): 16 packed rows per kv head pick 16-row tiles, bandwidth-bound like the
+    # decode level. The planner still gives a share (the side stream runs), and the prefix
+    # level keeps its whole one-wave grid beside the decode, whatever the share and schedule.
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    batch, prefix_pages, own_pages, page_size = 4, 512, 256, 16
+    i32 = dict(dtype=torch.int32)
+    arrays = check_levels([torch.tensor([0, batch], **i32), torch.arange(batch + 1, **i32)],
+                          [torch.tensor([0, prefix_pages], **i32), torch.arange(batch + 1, **i32) * own_pages],
+                          [torch.arange(prefix_pages, **i32), torch.arange(prefix_pages, prefix_pages + batch * own_pages,
+                                                                             **i32)],
+                          [torch.tensor([page_size], **i32), torch.full((batch,), page_size, **i32)], 2, page_size, None)
+    _, _, _, share = choose_cascade(arrays, page_size=page_size, num_qo_heads=32, num_kv_heads=8, head_dim=128,
+                                    elem_bytes=2, device=None)
+    assert share is not None and share < 1
+    kw = dict(num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=page_size, dtype=bf16, device=cpu)
+    whole = paged_num_splits(batch, 1, 32, 8, 128, bf16, prefix_pages * page_size, cpu)
+    assert whole > paged_num_splits(batch, 1, 32, 8, 128, bf16, prefix_pages * page_size, cpu, sm_share=share)
+    for schedule in ("per_request", "concurrent", "balanced"):
+        for s in (share, 0.05, 0.9):
+            assert plan_mod.prefix_splits_beside_decode(batch, 1, prefix_pages * page_size, batch, schedule, s,
+                                                        **kw) == whole

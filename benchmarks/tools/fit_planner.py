@@ -136,10 +136,10 @@ class Vectorised:
         self.reads = [lv(i, "flat_key_reads") for i in (0, 1)]
         self.state = lv(1, "num_queries") * hq * (d * 2 + 4)
         # The two side-stream rules: v2 (wherever a decode level sits under a prefill level)
-        # and v3 (only where the prefill level's tiles are 128 rows, as the runtime does).
-        from cascadeinfer.cascade.cost import overlaps, side_stream_runs
+        # and v3 (only where the prefill level's tiles are 64 or 128 rows, as the model counts it).
+        from cascadeinfer.cascade.cost import overlap_counted, overlaps
         self.overlap_v2 = np.array([overlaps(s) for s in self.shapes])
-        self.overlap_v3 = np.array([side_stream_runs(s, group_size=r["hq"] // r["hkv"], head_dim=r["d"], elem_bytes=2)
+        self.overlap_v3 = np.array([overlap_counted(s, group_size=r["hq"] // r["hkv"], head_dim=r["d"], elem_bytes=2)
                                     for s, r in zip(self.shapes, rows)])
 
     def predict(self, c: dict, v3: bool = True) -> tuple[np.ndarray, np.ndarray]:

@@ -49,7 +49,7 @@ def main() -> None:
             planner = ours(wl, True)
         row["planner share"] = round(seen[-1], 3) if seen else None
         row["planner us"] = timer([planner.call(i) for i in range(wl.rot)]) * 1e6
-        with mock.patch.object(plan_mod, "side_stream_runs", lambda *a, **k: False):
+        with mock.patch.object(plan_mod, "overlaps", lambda *a, **k: False):
             one = ours(wl, True)
         row["one stream us"] = timer([one.call(i) for i in range(wl.rot)]) * 1e6
         for share in args.shares:

@@ -61,7 +61,7 @@ def prefix_tiles(config: TileConfig | None):
     with mock.patch.object(prefill_mod, "groups_tile_config", forced), \
             mock.patch.object(policy, "groups_tile_config", forced), \
             mock.patch.object(cost_mod, "groups_tile_config", forced), \
-            mock.patch.object(plan_mod, "side_stream_runs", lambda *a, **k: True):
+            mock.patch.object(plan_mod, "groups_tile_config", forced):
         prefill_mod._PAGED.clear()
         try:
             yield

@@ -7,9 +7,10 @@ wins: a short prefix or a small batch favours flat decode. The model predicts bo
 times from bytes moved and FLOPs, plus a fixed cost per level. v3 constants: grid search
 (benchmarks/tools/fit_planner.py) on 196 shapes measured on an H100 (176 grid + 20 bar/generality)
 and the 72 H200 shapes of v2; it picks the faster path, or one within 5% of it, on all 268
-(v2: 194/196 and 71/72). The side-stream gain counts only where the runtime takes the side
-stream (64- and 128-row prefill tiles; with ``overlap_gain`` 0.3: 196/196 on the H100
-shapes re-measured with the prefix kernel's 64-row tiles on the side stream too). benchmarks/NOTES.md, "Planner v3".
+(v2: 194/196 and 71/72). The side-stream gain counts beside 64- and 128-row prefill tiles
+(with ``overlap_gain`` 0.3: 196/196 on the H100 shapes re-measured with the prefix kernel's
+64-row tiles on the side stream too; the runtime's side stream beside 16- and 32-row tiles,
+"Cascade" v12, is not counted). benchmarks/NOTES.md, "Planner v3".
 v4 (flat decode over shared pages): flat decode's programs read a shared prefix at about
 the same time, so its repeated reads hit L2 even where the prefix is larger than L2, and
 the time is bound by how fast the decode kernel reads what hits (``l2_read_bandwidth``).
@@ -84,21 +85,26 @@ class LevelShape:
 
 
 def overlaps(levels: list[LevelShape]) -> bool:
-    """Whether the last level (decode) runs on a second stream beside the prefill level above it."""
+    """Whether the last level (decode) runs on a second stream beside the prefill level
+    above it, as the runtime does wherever this holds. With 64- and 128-row prefill tiles
+    (compute-bound, one or two programs per SM) the prefill level's grid is sized to leave
+    the decode level its share of the SMs (:func:`prefix_sm_fraction`); with 16- and
+    32-row tiles (groups of a few rows, bandwidth-bound like the decode) it keeps its
+    whole grid (:func:`~cascadeinfer.cascade.plan.prefix_splits_beside_decode`).
+    Measured against one stream: 64-row tiles 152 -> 141 us at (64, 8192, 256) Hkv 32, 129
+    -> 122 at (16, 65536, 1024) (H100); 16-row tiles 42.9 -> 34.3-35.9 at (4, 8192, 4096),
+    87.9 -> 79.8-80.7 at (4, 8192, 16384) (H200); benchmarks/NOTES.md, "Cascade" v12."""
     return len(levels) > 1 and levels[-1].decode and not levels[-2].decode
 
 
-def side_stream_runs(levels: list[LevelShape], *, group_size: int, head_dim: int, elem_bytes: int) -> bool:
-    """Whether :func:`overlaps` holds and the runtime takes the side stream: only where the
-    prefill level's tiles are 64 or 128 rows, i.e. its average packed rows per group pick
-    such a :func:`groups_tile_config` (fp16 and bf16 pick the same tiles). 16- and 32-row
-    tiles (groups of a few rows: bandwidth-bound, like the decode) keep one stream. The
-    planner returns an SM share exactly when this holds, and
-    ``MultiLevelCascadeAttention.plan`` overlaps exactly when it has one. (64-row tiles,
-    two programs per SM, lost beside the decode with an earlier prefix kernel (Hkv 32 at
-    (64, 8192, 256), 151 -> 173 us); with the current one they win: 152 -> 141 us there, 129 -> 122 at
-    (16, 65536, 1024), 78 -> 72 with head_dim 64, 34 -> 29 at (16, 8192, 256); H100,
-    benchmarks/NOTES.md.)"""
+def overlap_counted(levels: list[LevelShape], *, group_size: int, head_dim: int, elem_bytes: int) -> bool:
+    """Whether :func:`predict_seconds` counts the side stream's gain: where :func:`overlaps`
+    holds and the prefill level's tiles are 64 or 128 rows (its average packed rows per
+    group pick such a :func:`groups_tile_config`; fp16 and bf16 pick the same tiles), the
+    tiles whose gain the constants were fitted on. Beside 16- and 32-row tiles the runtime
+    takes the side stream too, but that gain was measured at two shapes only ("Cascade"
+    v12), so the model predicts those cascades as one stream: it errs towards flat there,
+    and picks no cascade for the side stream's sake."""
     if not overlaps(levels):
         return False
     pre = levels[-2]
@@ -132,7 +138,7 @@ def predict_seconds(
     A level takes the larger of its memory time (unique K/V once) and its compute time
     (tensor-core prefill, or the decode kernel's padded dot), plus a fixed cost; levels
     after the first add a merge; a decode level that runs beside the prefill level above
-    it (:func:`side_stream_runs`: 64- and 128-row prefill tiles, as the runtime does)
+    it (where :func:`overlap_counted`: 64- and 128-row prefill tiles)
     saves ``overlap_gain`` of the shorter of the two. Flat runs the last level's kernel
     over every key of every level: keys of an upper level are re-read once per request,
     mostly from L2 (``l2_miss_small`` of them still miss where the level fits there,
@@ -157,7 +163,7 @@ def predict_seconds(
     if per_level is not None:
         per_level[:] = times
     cascade = sum(times) + (len(levels) - 1) * (model.merge_seconds + 3 * state_bytes / bw)
-    if side_stream_runs(levels, group_size=num_qo_heads // num_kv_heads, head_dim=head_dim, elem_bytes=elem_bytes):
+    if overlap_counted(levels, group_size=num_qo_heads // num_kv_heads, head_dim=head_dim, elem_bytes=elem_bytes):
         cascade -= model.overlap_gain * min(times[-2], times[-1])
 
     flat_bytes = 0.0  # from memory

@@ -429,9 +429,9 @@ class MultiLevelCascadeAttention:
         # level's grid is sized to leave the decode its share of the SMs (from shapes), or
         # is its whole grid where the decode's programs each need an SM for the whole
         # level (cascade.plan.prefix_splits_beside_decode).
-        # The planner gives a share only where the prefill level is compute-bound: 64- or
-        # 128-row tiles (cost.side_stream_runs), one or two programs per SM, so a smaller
-        # grid leaves SMs free. Groups of a few rows (16-32-row tiles) keep one stream.
+        # The planner gives a share wherever a decode level sits under a prefill level
+        # (cost.overlaps); groups of a few rows (16-32-row tiles, bandwidth-bound) keep
+        # their whole grid beside the decode.
         self._overlap = (self.use_cascade and prefix_share is not None and self.device.type == "cuda"
                          and self.context_parallel_level is None)  # that run is one stream
         if self._overlap:

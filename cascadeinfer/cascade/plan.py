@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from cascadeinfer._host import host_tensor
-from cascadeinfer.cascade.cost import DeviceModel, LevelShape, predict_seconds, prefix_sm_fraction, side_stream_runs
+from cascadeinfer.cascade.cost import DeviceModel, LevelShape, overlaps, predict_seconds, prefix_sm_fraction
 from cascadeinfer.kernels.policy import (
     groups_tile_config,
     num_m_tiles,
@@ -338,7 +338,7 @@ def choose_cascade(
 ) -> tuple[bool, float, float, float | None]:
     """(is cascade predicted faster?, predicted cascade seconds, predicted flat seconds,
     the SM share of the prefill level when the decode level runs beside it on a side
-    stream (:func:`~cascadeinfer.cascade.cost.side_stream_runs`), else None).
+    stream (:func:`~cascadeinfer.cascade.cost.overlaps`), else None).
 
     Whether flat decode is possible at all (:func:`flat_page_table`) is the caller's check.
     """
@@ -348,8 +348,7 @@ def choose_cascade(
         shapes, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
         head_dim=head_dim, elem_bytes=elem_bytes, model=DeviceModel.for_device(device), per_level=times,
     )
-    side = side_stream_runs(shapes, group_size=num_qo_heads // num_kv_heads, head_dim=head_dim, elem_bytes=elem_bytes)
-    share = prefix_sm_fraction(times[-2], times[-1]) if side else None
+    share = prefix_sm_fraction(times[-2], times[-1]) if overlaps(shapes) else None
     return t_cascade < t_flat, t_cascade, t_flat, share
 
 
@@ -362,7 +361,11 @@ def prefix_splits_beside_decode(
     groups over at most ``prefix_max_keys`` keys each) whose decode level below it
     (``decode_rows`` rows, ``decode_schedule``) runs beside it on a side stream.
 
-    Its grid is sized to ``share`` of the SMs (:func:`choose_cascade`), except where the
+    Its grid is sized to ``share`` of the SMs (:func:`choose_cascade`), except where its
+    tiles are 16 or 32 rows (groups of a few rows): bandwidth-bound like the decode, they
+    keep the level's whole one-wave grid, which measured as fast as any split (at (4, 8192,
+    4096) and (4, 8192, 16384) on an H200, 96-128 programs beside the decode were within
+    4.5% of each other; "Cascade" v12). Also the whole grid where the
     decode level's programs are one wave of whole SMs
     (:func:`~cascadeinfer.kernels.policy.whole_sm_decode_programs`: per-request plans of
     few requests) that would not all find an SM beside that grid: then the whole one-wave
@@ -374,13 +377,15 @@ def prefix_splits_beside_decode(
     (benchmarks/NOTES.md, "Cascade" v11).
     """
     args = (prefix_queries, prefix_groups, num_qo_heads, num_kv_heads, head_dim, dtype, prefix_max_keys, device)
+    group = num_qo_heads // num_kv_heads
+    tile = groups_tile_config(prefix_queries, prefix_groups, group, head_dim, dtype)
+    if tile.block_m < 64:
+        return paged_num_splits(*args)
     splits = paged_num_splits(*args, sm_share=share)
     if decode_schedule != "per_request":
         return splits
     decode_programs = whole_sm_decode_programs(decode_rows, num_qo_heads, num_kv_heads, head_dim, dtype, page_size,
                                                device)
-    group = num_qo_heads // num_kv_heads
-    tile = groups_tile_config(prefix_queries, prefix_groups, group, head_dim, dtype)
     prefix_programs = num_m_tiles(prefix_queries, prefix_groups, group, tile.block_m) * num_kv_heads * splits
     if decode_programs and decode_programs > planning_sms(device) - prefix_programs:
         return paged_num_splits(*args)
