@@ -2,6 +2,9 @@
 H100 (benchmarks/results): the path it picks is within 5% of the faster one everywhere but
 at three known near ties, and its flat predictions follow flat decode over shared pages,
 whose re-reads come from L2 whatever the prefix's size (benchmarks/NOTES.md, "Planner v4").
+Those H100 runs had the decode level on one stream beside 16- and 32-row prefill tiles, so
+they are checked with that side stream's gain at 0; the H200 runs after it ("Cascade" v12)
+with the model as it is ("Planner v5").
 
 The shapes are rebuilt as the planner sees them (host page tables of a shared prefix and
 one suffix per request), so these tests check the model the planner runs, on the CPU.
@@ -10,6 +13,7 @@ one suffix per request), so these tests check the model the planner runs, on the
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,7 +23,8 @@ from cascadeinfer.cascade.plan import HostLevel, level_shapes
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 PAGE = 16
-H100 = DeviceModel()  # what DeviceModel.for_device gives an H100
+H100 = DeviceModel(overlap_gain_narrow=0.0)  # an H100's model, under the runtime of its runs
+H200 = DeviceModel(copy_bandwidth=4.25e12, matmul_rate=6.83e14, l2_bytes=60 * 2**20)  # DeviceModel.for_device's
 # (batch, prefix, suffix, Hkv): measured within 10% of each other, their prefix within L2
 KNOWN_MISSES = {(4, 8192, 4096, 8), (4, 8192, 16384, 8), (16, 8192, 16384, 8)}
 
@@ -33,10 +38,11 @@ def _level(qo_indptr: list[int], kv_lens: list[int]) -> HostLevel:
                                 [n - (p - 1) * PAGE for n, p in zip(kv_lens, pages)], PAGE)
 
 
-def predict(batch: int, prefix: int, suffix: int, hq: int, hkv: int, d: int) -> tuple[float, float]:
+def predict(batch: int, prefix: int, suffix: int, hq: int, hkv: int, d: int,
+            model: DeviceModel = H100) -> tuple[float, float]:
     """Predicted (cascade, flat) µs of a shared-prefix batch decode, bf16."""
     levels = level_shapes([_level([0, batch], [prefix]), _level(list(range(batch + 1)), [suffix] * batch)], PAGE)
-    cascade, flat = predict_seconds(levels, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, elem_bytes=2, model=H100)
+    cascade, flat = predict_seconds(levels, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, elem_bytes=2, model=model)
     return cascade * 1e6, flat * 1e6
 
 
@@ -62,6 +68,32 @@ def test_picks_within_5_percent_on_the_measured_h100_shapes():
         if picked > 1.05 * min(r["cascade"], r["flat"]):
             misses.add((r["batch"], r["prefix"], r["suffix"], r["hkv"]))
     assert misses <= KNOWN_MISSES, f"new misses: {sorted(misses - KNOWN_MISSES)}"
+
+
+def misses_of(rows: list[dict], model: DeviceModel) -> set[tuple[int, int, int, int]]:
+    """The rows where the path the model picks measured more than 5% slower than the other."""
+    misses = set()
+    for r in rows:
+        cascade, flat = predict(r["batch"], r["prefix"], r["suffix"], r["hq"], r["hkv"], r["head_dim"], model)
+        picked = r["cascade_us"] if cascade < flat else r["flat_us"]
+        if picked > 1.05 * min(r["cascade_us"], r["flat_us"]):
+            misses.add((r["batch"], r["prefix"], r["suffix"], r["hkv"]))
+    return misses
+
+
+def test_picks_within_5_percent_on_the_h200_shapes_with_the_narrow_side_stream():
+    """97 H200 shapes measured with the decode level beside 16- and 32-row prefill tiles
+    on the side stream: the model picks within 5% at 91, and with no gain for those tiles
+    at 83. The misses left: short prefixes (128-1024 keys) under 16-64 requests, where flat
+    is predicted faster and the cascade measured 12-23% faster, and one near tie at Hkv 1."""
+    rows = [r for name in ("bench_cascade_grid_small_batch_side_stream_h200_2026-11-28.json",
+                           "bench_cascade_grid_quick_side_stream_h200_2026-11-28.json")
+            for r in json.loads((RESULTS / name).read_text())["rows"]]
+    assert len(rows) == 97
+    known = {(16, 128, 256, 8), (16, 1024, 256, 8), (64, 128, 256, 8), (16, 128, 16, 8), (16, 8192, 256, 1),
+             (16, 128, 256, 32)}
+    assert misses_of(rows, H200) <= known
+    assert len(misses_of(rows, replace(H200, overlap_gain_narrow=0.0))) == 14
 
 
 @pytest.mark.parametrize("batch,prefix,suffix", [(64, 8192, 256), (128, 32768, 512), (256, 4096, 128),

@@ -105,7 +105,9 @@ def shapes_of(r: dict):
 
 
 def model_for(r: dict, consts: dict) -> DeviceModel:
-    return DeviceModel(**consts, **(H200 if r["device"] == "H200" else {}))
+    """The model of a fitted row's device, with no gain beside 16- and 32-row prefill tiles,
+    which ran on one stream when these rows were measured."""
+    return DeviceModel(**consts, **(H200 if r["device"] == "H200" else {}), overlap_gain_narrow=0.0)
 
 
 def real_predict(r: dict, consts: dict) -> tuple[float, float]:
@@ -136,11 +138,12 @@ class Vectorised:
         self.reads = [lv(i, "flat_key_reads") for i in (0, 1)]
         self.state = lv(1, "num_queries") * hq * (d * 2 + 4)
         # The two side-stream rules: v2 (wherever a decode level sits under a prefill level)
-        # and v3 (only where the prefill level's tiles are 64 or 128 rows, as the model counts it).
-        from cascadeinfer.cascade.cost import overlap_counted, overlaps
+        # and v3 (only where the prefill level's tiles are 64 or 128 rows), under which these
+        # rows were measured (the 16- and 32-row tiles' side stream came later: "Cascade" v12).
+        from cascadeinfer.cascade.cost import narrow_prefill_tiles, overlaps
         self.overlap_v2 = np.array([overlaps(s) for s in self.shapes])
-        self.overlap_v3 = np.array([overlap_counted(s, group_size=r["hq"] // r["hkv"], head_dim=r["d"], elem_bytes=2)
-                                    for s, r in zip(self.shapes, rows)])
+        self.overlap_v3 = np.array([overlaps(s) and not narrow_prefill_tiles(
+            s, group_size=r["hq"] // r["hkv"], head_dim=r["d"], elem_bytes=2) for s, r in zip(self.shapes, rows)])
 
     def predict(self, c: dict, v3: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """c: constant name -> array [combos, 1] (or scalar); returns seconds [combos, rows]."""

@@ -7,16 +7,19 @@ wins: a short prefix or a small batch favours flat decode. The model predicts bo
 times from bytes moved and FLOPs, plus a fixed cost per level. v3 constants: grid search
 (benchmarks/tools/fit_planner.py) on 196 shapes measured on an H100 (176 grid + 20 bar/generality)
 and the 72 H200 shapes of v2; it picks the faster path, or one within 5% of it, on all 268
-(v2: 194/196 and 71/72). The side-stream gain counts beside 64- and 128-row prefill tiles
-(with ``overlap_gain`` 0.3: 196/196 on the H100 shapes re-measured with the prefix kernel's
-64-row tiles on the side stream too; the runtime's side stream beside 16- and 32-row tiles,
-"Cascade" v12, is not counted). benchmarks/NOTES.md, "Planner v3".
+(v2: 194/196 and 71/72). The side-stream gain counts where the runtime takes the side
+stream (with ``overlap_gain`` 0.3: 196/196 on the H100 shapes re-measured with the prefix
+kernel's 64-row tiles on the side stream too). benchmarks/NOTES.md, "Planner v3".
 v4 (flat decode over shared pages): flat decode's programs read a shared prefix at about
 the same time, so its repeated reads hit L2 even where the prefix is larger than L2, and
 the time is bound by how fast the decode kernel reads what hits (``l2_read_bandwidth``).
 On 45 more H100 shapes with 1-16 requests over 8K-64K prefixes, where the two paths
 cross, the v3 flat model erred up to 2.4x and picked within 5% at 38; v4 picks within 5%
 at 42 (238 of the 241 H100 shapes). benchmarks/NOTES.md, "Planner v4".
+v5 (the side stream beside 16- and 32-row prefill tiles too, "Cascade" v12): their gain,
+``overlap_gain_narrow``, set on 97 H200 shapes measured after that change (91 picked within
+5%, against 83 without it); the H100 shapes above ran those tiles on one stream, and are
+checked with that gain at 0. benchmarks/NOTES.md, "Planner v5".
 """
 
 from __future__ import annotations
@@ -51,6 +54,9 @@ class DeviceModel:
     # v3 fit over 268 shapes chose 0.2; once 64-row prefill tiles took the side stream too,
     # the H100 grid and bar shapes re-measured pass 196/196 with 0.25-0.4 and 193/196 with
     # 0.2: benchmarks/NOTES.md "Planner v3")
+    overlap_gain_narrow: float = 0.5  # the same beside 16- and 32-row prefill tiles (their
+    # whole grid on the side stream since "Cascade" v12; the smallest value that picks within 5%
+    # at the most of 97 H200 shapes measured after it: 91, as with 0.5-1.0; 0.4 89, 0 83)
 
     @staticmethod
     def for_device(device: torch.device | None) -> "DeviceModel":
@@ -92,25 +98,24 @@ def overlaps(levels: list[LevelShape]) -> bool:
     32-row tiles (groups of a few rows, bandwidth-bound like the decode) it keeps its
     whole grid (:func:`~cascadeinfer.cascade.plan.prefix_splits_beside_decode`).
     Measured against one stream: 64-row tiles 152 -> 141 us at (64, 8192, 256) Hkv 32, 129
-    -> 122 at (16, 65536, 1024) (H100); 16-row tiles 42.9 -> 34.3-35.9 at (4, 8192, 4096),
-    87.9 -> 79.8-80.7 at (4, 8192, 16384) (H200); benchmarks/NOTES.md, "Cascade" v12."""
+    -> 122 at (16, 65536, 1024) (H100); 16- and 32-row tiles 0.73-0.94 of the one-stream
+    time at every such shape of two H200 grids (2-8 requests over 8K-64K prefixes, 16 at Hkv
+    32; e.g. 42.6 -> 33.9 us at (4, 8192, 4096)); benchmarks/NOTES.md, "Cascade" v12."""
     return len(levels) > 1 and levels[-1].decode and not levels[-2].decode
 
 
-def overlap_counted(levels: list[LevelShape], *, group_size: int, head_dim: int, elem_bytes: int) -> bool:
-    """Whether :func:`predict_seconds` counts the side stream's gain: where :func:`overlaps`
-    holds and the prefill level's tiles are 64 or 128 rows (its average packed rows per
-    group pick such a :func:`groups_tile_config`; fp16 and bf16 pick the same tiles), the
-    tiles whose gain the constants were fitted on. Beside 16- and 32-row tiles the runtime
-    takes the side stream too, but that gain was measured at two shapes only ("Cascade"
-    v12), so the model predicts those cascades as one stream: it errs towards flat there,
-    and picks no cascade for the side stream's sake."""
-    if not overlaps(levels):
+def narrow_prefill_tiles(levels: list[LevelShape], *, group_size: int, head_dim: int, elem_bytes: int) -> bool:
+    """Whether the prefill level above the last level runs 16- or 32-row tiles (its average
+    packed rows per group pick such a :func:`groups_tile_config`; fp16 and bf16 pick the
+    same tiles): groups of a few rows, bandwidth-bound like the decode level. Beside such
+    a level the decode level saves ``overlap_gain_narrow`` of the shorter of the two on
+    the side stream, beside 64- and 128-row tiles ``overlap_gain``."""
+    if len(levels) < 2:
         return False
     pre = levels[-2]
     dtype = torch.float32 if elem_bytes == 4 else torch.bfloat16
     config = groups_tile_config(pre.num_queries, max(1, pre.num_groups), group_size, head_dim, dtype)
-    return config.block_m >= 64
+    return config.block_m < 64
 
 
 def prefix_sm_fraction(t_prefix: float, t_decode: float) -> float:
@@ -138,8 +143,9 @@ def predict_seconds(
     A level takes the larger of its memory time (unique K/V once) and its compute time
     (tensor-core prefill, or the decode kernel's padded dot), plus a fixed cost; levels
     after the first add a merge; a decode level that runs beside the prefill level above
-    it (where :func:`overlap_counted`: 64- and 128-row prefill tiles)
-    saves ``overlap_gain`` of the shorter of the two. Flat runs the last level's kernel
+    it (:func:`overlaps`)
+    saves ``overlap_gain`` of the shorter of the two (``overlap_gain_narrow`` beside
+    16- and 32-row prefill tiles, :func:`narrow_prefill_tiles`). Flat runs the last level's kernel
     over every key of every level: keys of an upper level are re-read once per request,
     mostly from L2 (``l2_miss_small`` of them still miss where the level fits there,
     ``l2_miss_large`` where it does not), and every key read takes at least its bytes over
@@ -163,8 +169,10 @@ def predict_seconds(
     if per_level is not None:
         per_level[:] = times
     cascade = sum(times) + (len(levels) - 1) * (model.merge_seconds + 3 * state_bytes / bw)
-    if overlap_counted(levels, group_size=num_qo_heads // num_kv_heads, head_dim=head_dim, elem_bytes=elem_bytes):
-        cascade -= model.overlap_gain * min(times[-2], times[-1])
+    if overlaps(levels):
+        narrow = narrow_prefill_tiles(levels, group_size=num_qo_heads // num_kv_heads, head_dim=head_dim,
+                                      elem_bytes=elem_bytes)
+        cascade -= (model.overlap_gain_narrow if narrow else model.overlap_gain) * min(times[-2], times[-1])
 
     flat_bytes = 0.0  # from memory
     flat_reads = 0.0  # by the kernel, from L2 or memory
