@@ -2,9 +2,9 @@
 H100 (benchmarks/results): the path it picks is within 5% of the faster one everywhere but
 at three known near ties, and its flat predictions follow flat decode over shared pages,
 whose re-reads come from L2 whatever the prefix's size (benchmarks/NOTES.md, "Planner v4").
-Those H100 runs had the decode level on one stream beside 16- and 32-row prefill tiles, so
-they are checked with that side stream's gain at 0; the H200 runs after it ("Cascade" v12)
-with the model as it is ("Planner v5").
+Those H100 runs had the decode level on one stream beside 16- and 32-row prefill tiles, as
+the H100's model still predicts it; the H200 runs after that side stream ("Cascade" v12)
+are checked with the H200's model, which counts its gain ("Planner v5").
 
 The shapes are rebuilt as the planner sees them (host page tables of a shared prefix and
 one suffix per request), so these tests check the model the planner runs, on the CPU.
@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from cascadeinfer.cascade.cost import DeviceModel, predict_seconds
+from cascadeinfer.cascade.cost import H200_MODEL, DeviceModel, predict_seconds
 from cascadeinfer.cascade.plan import HostLevel, level_shapes
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 PAGE = 16
-H100 = DeviceModel(overlap_gain_narrow=0.0)  # an H100's model, under the runtime of its runs
-H200 = DeviceModel(copy_bandwidth=4.25e12, matmul_rate=6.83e14, l2_bytes=60 * 2**20)  # DeviceModel.for_device's
+H100 = DeviceModel()  # what DeviceModel.for_device gives an H100
+H200 = DeviceModel(**H200_MODEL)  # and an H200
 # (batch, prefix, suffix, Hkv): measured within 10% of each other, their prefix within L2
 KNOWN_MISSES = {(4, 8192, 4096, 8), (4, 8192, 16384, 8), (16, 8192, 16384, 8)}
 

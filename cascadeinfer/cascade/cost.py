@@ -17,9 +17,9 @@ On 45 more H100 shapes with 1-16 requests over 8K-64K prefixes, where the two pa
 cross, the v3 flat model erred up to 2.4x and picked within 5% at 38; v4 picks within 5%
 at 42 (238 of the 241 H100 shapes). benchmarks/NOTES.md, "Planner v4".
 v5 (the side stream beside 16- and 32-row prefill tiles too, "Cascade" v12): their gain,
-``overlap_gain_narrow``, set on 97 H200 shapes measured after that change (91 picked within
-5%, against 83 without it); the H100 shapes above ran those tiles on one stream, and are
-checked with that gain at 0. benchmarks/NOTES.md, "Planner v5".
+``overlap_gain_narrow``, set for the H200 on 97 shapes measured there after that change (91
+picked within 5%, against 83 without it); elsewhere 0 until measured (the H100 shapes above
+ran those tiles on one stream). benchmarks/NOTES.md, "Planner v5".
 """
 
 from __future__ import annotations
@@ -54,9 +54,9 @@ class DeviceModel:
     # v3 fit over 268 shapes chose 0.2; once 64-row prefill tiles took the side stream too,
     # the H100 grid and bar shapes re-measured pass 196/196 with 0.25-0.4 and 193/196 with
     # 0.2: benchmarks/NOTES.md "Planner v3")
-    overlap_gain_narrow: float = 0.5  # the same beside 16- and 32-row prefill tiles (their
-    # whole grid on the side stream since "Cascade" v12; the smallest value that picks within 5%
-    # at the most of 97 H200 shapes measured after it: 91, as with 0.5-1.0; 0.4 89, 0 83)
+    overlap_gain_narrow: float = 0.0  # the same beside 16- and 32-row prefill tiles (their
+    # whole grid on the side stream since "Cascade" v12); measured on the H200 only (0.5 there,
+    # H200_MODEL), so elsewhere the model keeps predicting those cascades as one stream
 
     @staticmethod
     def for_device(device: torch.device | None) -> "DeviceModel":
@@ -65,13 +65,19 @@ class DeviceModel:
         return _cuda_model(torch.cuda.current_device() if device.index is None else device.index)
 
 
+# What an H200's model differs in: its ceilings, and the narrow tiles' side-stream gain,
+# the smallest value that picks within 5% at the most of 97 H200 shapes measured with that
+# side stream (91, as with 0.5-1.0; 0.4: 89, 0: 83; benchmarks/NOTES.md, "Planner v5").
+H200_MODEL = dict(copy_bandwidth=4.25e12, matmul_rate=6.83e14, overlap_gain_narrow=0.5)
+
+
 @functools.cache
 def _cuda_model(index: int) -> DeviceModel:
     """The model of CUDA device ``index`` (read once: a planner asks on every re-plan)."""
     props = torch.cuda.get_device_properties(index)
     l2 = getattr(props, "L2_cache_size", 50 * 2**20)
     if "H200" in props.name:
-        return DeviceModel(copy_bandwidth=4.25e12, matmul_rate=6.83e14, l2_bytes=l2)
+        return DeviceModel(**H200_MODEL, l2_bytes=l2)
     return DeviceModel(l2_bytes=l2)
 
 
@@ -143,10 +149,9 @@ def predict_seconds(
     A level takes the larger of its memory time (unique K/V once) and its compute time
     (tensor-core prefill, or the decode kernel's padded dot), plus a fixed cost; levels
     after the first add a merge; a decode level that runs beside the prefill level above
-    it (:func:`overlaps`)
-    saves ``overlap_gain`` of the shorter of the two (``overlap_gain_narrow`` beside
-    16- and 32-row prefill tiles, :func:`narrow_prefill_tiles`). Flat runs the last level's kernel
-    over every key of every level: keys of an upper level are re-read once per request,
+    it (:func:`overlaps`) saves ``overlap_gain`` of the shorter of the two
+    (``overlap_gain_narrow`` beside 16- and 32-row prefill tiles,
+    :func:`narrow_prefill_tiles`). Flat runs the last level's kernel over every key of every level: keys of an upper level are re-read once per request,
     mostly from L2 (``l2_miss_small`` of them still miss where the level fits there,
     ``l2_miss_large`` where it does not), and every key read takes at least its bytes over
     ``l2_read_bandwidth``.

@@ -361,15 +361,14 @@ def prefix_splits_beside_decode(
     groups over at most ``prefix_max_keys`` keys each) whose decode level below it
     (``decode_rows`` rows, ``decode_schedule``) runs beside it on a side stream.
 
-    Its grid is sized to ``share`` of the SMs (:func:`choose_cascade`), except where its
-    tiles are 16 or 32 rows (groups of a few rows): bandwidth-bound like the decode, they
-    keep the level's whole one-wave grid, which measured as fast as any split (at (4, 8192,
-    4096) and (4, 8192, 16384) on an H200, 96-128 programs beside the decode were within
-    4.5% of each other; "Cascade" v12). Also the whole grid where the
-    decode level's programs are one wave of whole SMs
+    Its grid is sized to ``share`` of the SMs (:func:`choose_cascade`), except in two
+    cases, where it is the level's whole one-wave grid. (1) Its tiles are 16 or 32 rows
+    (groups of a few rows): bandwidth-bound like the decode, and as fast on any split (at
+    (4, 8192, 4096) and (4, 8192, 16384) on an H200, 96-128 programs beside the decode were
+    within 4.5% of each other; benchmarks/NOTES.md, "Cascade" v12). (2) The decode level's
+    programs are one wave of whole SMs
     (:func:`~cascadeinfer.kernels.policy.whole_sm_decode_programs`: per-request plans of
-    few requests) that would not all find an SM beside that grid: then the whole one-wave
-    grid. The GPU gives each of the prefill level's programs an SM of its own first, so a
+    few requests) that would not all find an SM beside the share's grid. The GPU gives each of the prefill level's programs an SM of its own first, so a
     decode program left over starts only when a prefill program ends, and the decode
     level, each of whose programs runs for the whole level, ends that much later. At
     (16, 8192, 16384) on an H200 (the share's grid: 16 prefill programs beside 128 decode
