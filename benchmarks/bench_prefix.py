@@ -5,6 +5,7 @@ Run from the repository root on a GPU machine:
 
     python -m benchmarks.bench_prefix             # full grid + tile sweep on a few shapes
     python -m benchmarks.bench_prefix --quick     # a few shapes, no sweep
+    python -m benchmarks.bench_prefix --hopper-splits --shapes 256:4096,256:8192   # Hopper kernel x split counts
 
 The cascade level above the last: ``n`` decode queries (one token each, all in ONE group)
 attend to a shared prefix of ``L`` tokens. bf16, Hq=32, Hkv=8, D=128 (``--hkv``,
@@ -20,7 +21,9 @@ single-group page table, PyTorch SDPA (enable_gqa) on the prefix gathered into c
 the ``hopper`` columns time the warp-specialised kernel (``backend="hopper"``) beside it
 (where ``backend=None`` takes it: kernels/backend.py).
 KV pools are rotated so the prefix is not served from L2 across calls. A sweep table
-compares tile configs and split counts on a few shapes. JSON goes to --json PATH.
+compares tile configs and split counts on a few shapes; ``--hopper-splits`` times the
+Hopper kernel with each forced split count of ``HOPPER_SPLITS`` beside its default on the
+timed shapes (does the portable kernel's split rule suit it?). JSON goes to --json PATH.
 """
 
 from __future__ import annotations
@@ -285,12 +288,36 @@ def sweep_shape(n: int, length: int, mm_rate: float) -> dict:
     return row
 
 
+HOPPER_SPLITS = (1, 2, 3, 4, 6)
+
+
+def hopper_splits_shape(n: int, length: int, mm_rate: float) -> dict:
+    """The Hopper kernel at its default split count and at each of ``HOPPER_SPLITS``, with
+    the portable kernel's default beside them: fractions of the bf16 matmul rate, every
+    forced count's output checked against the portable kernel's."""
+    sh = Shape(n, length)
+    fl = flops(n, length)
+    row = dict(n=n, L=length, splits=default_splits(n, length, sh.qo.device))
+    row["portable"] = fl / bench_rotating([sh.ours(i, "portable") for i in range(sh.rot)]) / mm_rate
+    ref_o = sh.outs[0].float().clone()
+    for splits in (None, *HOPPER_SPLITS):
+        def call(i: int, splits=splits):
+            return lambda: batch_prefill_paged(sh.qs[i], sh.qo, sh.pools[i], sh.indptr, sh.indices, sh.last,
+                                               out=sh.outs[i], lse=sh.lses[i], validate=False, backend="hopper",
+                                               num_splits=splits)
+        row[f"hopper_s{splits or 'default'}"] = fl / bench_rotating([call(i) for i in range(sh.rot)]) / mm_rate
+        torch.testing.assert_close(sh.outs[0].float(), ref_o, atol=2e-2, rtol=2e-2)
+    return row
+
+
 def main() -> None:
     global HKV, D, SM_SCALE  # --hkv and --head-dim rebind the shape constants every function here reads
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a few shapes, no sweep, no flex")
     ap.add_argument("--no-sweep", action="store_true", help="skip the tile-config / split sweep")
     ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention (compiles per shape)")
+    ap.add_argument("--hopper-splits", action="store_true",
+                    help="only the Hopper kernel at each forced split count, on the shapes (compute capability 9.0)")
     ap.add_argument("--hkv", type=int, default=HKV, help=f"KV heads (Hq {HQ}; default {HKV})")
     ap.add_argument("--head-dim", type=int, default=D, help=f"head_dim (default {D})")
     ap.add_argument("--shapes", metavar="N:L,...", help="these (queries, prefix) shapes instead of the grid")
@@ -300,6 +327,8 @@ def main() -> None:
         sys.exit("bench_prefix needs a CUDA device")
     if HQ % args.hkv:
         sys.exit(f"--hkv {args.hkv}: must divide Hq {HQ}")
+    if args.hopper_splits and (reason := hopper_unavailable(torch.device("cuda"))) is not None:
+        sys.exit(f"--hopper-splits: {reason}")
     HKV, D = args.hkv, args.head_dim
     SM_SCALE = D ** -0.5
 
@@ -321,6 +350,18 @@ def main() -> None:
         shapes = [tuple(int(x) for x in item.split(":")) for item in args.shapes.split(",")]
     else:
         shapes = list(QUICK_SHAPES) if args.quick else [(n, L) for L in PREFIXES for n in QUERIES]
+    if args.hopper_splits:
+        rows = []
+        for n, length in shapes:
+            rows.append(hopper_splits_shape(n, length, mm_rate))
+            gc.collect()
+            torch.cuda.empty_cache()
+        write_json(args.json, dict(env=env, copy_Bps=copy_bw, matmul_flops=mm_rate, rows=rows,
+                                   shape=dict(hq=HQ, hkv=HKV, head_dim=D, page_size=PAGE, dtype=str(DTYPE))))
+        print(f"\n## the Hopper kernel's split counts (fraction of the bf16 matmul rate {mm_rate / 1e12:.0f} TFLOP/s; "
+              f"splits: the default count)\n")
+        print(markdown_table(rows, list(rows[0])))
+        return
     rows = []
     for n, length in shapes:
         row = time_shape(n, length, copy_bw, mm_rate, fi, flex)

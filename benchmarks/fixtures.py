@@ -313,16 +313,17 @@ def shape_workloads(shapes: list[str], device: torch.device):
         yield text, s, Workload(s, device, seed=5, min_pool_bytes=MIN_POOL_BYTES, max_rot=16)
 
 
-def level_alone_calls(wl: Workload, level: int) -> list[Callable[[], object]]:
+def level_alone_calls(wl: Workload, level: int, backend: str | None = None) -> list[Callable[[], object]]:
     """Each rotation's call of one cascade level alone, through its public launcher:
-    level 0 the shared prefix (``batch_prefill_paged``, one group), 1 the suffix decode."""
+    level 0 the shared prefix (``batch_prefill_paged``, one group, on ``backend``), 1 the
+    suffix decode."""
     from cascadeinfer import batch_decode_paged, batch_prefill_paged  # noqa: PLC0415
 
     outs, lses = wl.out_buffers()
     if level == 0:
         return [lambda i=i: batch_prefill_paged(
             wl.qs[i], wl.qo_indptr[0], wl.pools[i], wl.kv_indptr[0], wl.kv_indices[0], wl.kv_last[0],
-            out=outs[i], lse=lses[i], validate=False) for i in range(wl.rot)]
+            out=outs[i], lse=lses[i], validate=False, backend=backend) for i in range(wl.rot)]
     return [lambda i=i: batch_decode_paged(wl.qs[i], wl.pools[i], wl.kv_indptr[1], wl.kv_indices[1], wl.kv_last[1],
                                            out=outs[i], lse=lses[i], validate=False) for i in range(wl.rot)]
 
