@@ -110,18 +110,25 @@ def overlaps(levels: list[LevelShape]) -> bool:
     return len(levels) > 1 and levels[-1].decode and not levels[-2].decode
 
 
+def is_narrow_tile(num_queries: int, num_groups: int, group_size: int, head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether a prefill level of ``num_queries`` queries in ``num_groups`` groups runs 16-
+    or 32-row tiles (:func:`groups_tile_config` on its average packed rows per group):
+    groups of a few rows, bandwidth-bound like the decode level. The one test of it, for
+    the cost model (:func:`narrow_prefill_tiles`) and the runtime's split rule
+    (:func:`~cascadeinfer.cascade.plan.prefix_splits_beside_decode`) alike."""
+    return groups_tile_config(num_queries, num_groups, group_size, head_dim, dtype).block_m < 64
+
+
 def narrow_prefill_tiles(levels: list[LevelShape], *, group_size: int, head_dim: int, elem_bytes: int) -> bool:
-    """Whether the prefill level above the last level runs 16- or 32-row tiles (its average
-    packed rows per group pick such a :func:`groups_tile_config`; fp16 and bf16 pick the
-    same tiles): groups of a few rows, bandwidth-bound like the decode level. Beside such
-    a level the decode level saves ``overlap_gain_narrow`` of the shorter of the two on
-    the side stream, beside 64- and 128-row tiles ``overlap_gain``."""
+    """Whether the prefill level above the last level runs 16- or 32-row tiles
+    (:func:`is_narrow_tile`; fp16 and bf16 pick the same tiles). Beside such a level the
+    decode level saves ``overlap_gain_narrow`` of the shorter of the two on the side
+    stream, beside 64- and 128-row tiles ``overlap_gain``."""
     if len(levels) < 2:
         return False
     pre = levels[-2]
     dtype = torch.float32 if elem_bytes == 4 else torch.bfloat16
-    config = groups_tile_config(pre.num_queries, max(1, pre.num_groups), group_size, head_dim, dtype)
-    return config.block_m < 64
+    return is_narrow_tile(pre.num_queries, pre.num_groups, group_size, head_dim, dtype)
 
 
 def prefix_sm_fraction(t_prefix: float, t_decode: float) -> float:
