@@ -110,10 +110,10 @@ def _producer(
     async_copy.async_copy_global_to_shared(q_smem, q_ptr + (ttgl.expand_dims(q_off, 1) + cols),
                                            mask=ttgl.expand_dims(r < qo_len * GROUP_SIZE, 1))
     # wait_group waits only for committed groups: without the commit the copies could
-    # still be in flight when the barrier says they landed.
+    # still be in flight when the barrier says they landed. The wait itself comes after
+    # tile 0's loads are issued, so Q and the first K and V tiles are in flight together
+    # (the consumers need all three for their first product).
     async_copy.commit_group()
-    async_copy.wait_group(0)
-    mbarrier.arrive(q_bar)  # after the partition's barrier: every thread's copies landed
 
     # ---- K and V tiles: row j of tile t is key split_lo + t * BLOCK_N + j of the group.
     # The pool as the descriptors see it: rows of stride_kt elements; page p's slot s of
@@ -152,6 +152,12 @@ def _producer(
             async_copy.wait_group(0)
             mbarrier.arrive(k_ready.index(ks))
             mbarrier.arrive(v_ready.index(vs))
+        if t == 0:
+            async_copy.wait_group(0)
+            mbarrier.arrive(q_bar)  # after the partition's barrier: every thread's copies landed
+    if n_tiles == 0:
+        async_copy.wait_group(0)
+        mbarrier.arrive(q_bar)
 
 
 @gluon.jit
