@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from cascadeinfer.kernels import groups_tile_config
+from cascadeinfer.kernels.policy import TileConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,13 +111,13 @@ def overlaps(levels: list[LevelShape]) -> bool:
     return len(levels) > 1 and levels[-1].decode and not levels[-2].decode
 
 
-def is_narrow_tile(num_queries: int, num_groups: int, group_size: int, head_dim: int, dtype: torch.dtype) -> bool:
-    """Whether a prefill level of ``num_queries`` queries in ``num_groups`` groups runs 16-
-    or 32-row tiles (:func:`groups_tile_config` on its average packed rows per group):
-    groups of a few rows, bandwidth-bound like the decode level. The one test of it, for
-    the cost model (:func:`narrow_prefill_tiles`) and the runtime's split rule
-    (:func:`~cascadeinfer.cascade.plan.prefix_splits_beside_decode`) alike."""
-    return groups_tile_config(num_queries, num_groups, group_size, head_dim, dtype).block_m < 64
+def is_narrow_tile(config: TileConfig) -> bool:
+    """Whether a prefill level's tiles (:func:`groups_tile_config` on its average packed
+    rows per group) are 16 or 32 rows: groups of a few rows, bandwidth-bound like the
+    decode level. The one test of it, for the cost model (:func:`narrow_prefill_tiles`)
+    and the runtime's split rule (:func:`~cascadeinfer.cascade.plan.prefix_splits_beside_decode`)
+    alike."""
+    return config.block_m < 64
 
 
 def narrow_prefill_tiles(levels: list[LevelShape], *, group_size: int, head_dim: int, elem_bytes: int) -> bool:
@@ -128,7 +129,7 @@ def narrow_prefill_tiles(levels: list[LevelShape], *, group_size: int, head_dim:
         return False
     pre = levels[-2]
     dtype = torch.float32 if elem_bytes == 4 else torch.bfloat16
-    return is_narrow_tile(pre.num_queries, pre.num_groups, group_size, head_dim, dtype)
+    return is_narrow_tile(groups_tile_config(pre.num_queries, pre.num_groups, group_size, head_dim, dtype))
 
 
 def prefix_sm_fraction(t_prefix: float, t_decode: float) -> float:

@@ -384,14 +384,14 @@ def prefix_splits_beside_decode(
     """
     args = (prefix_queries, prefix_groups, num_qo_heads, num_kv_heads, head_dim, dtype, prefix_max_keys, device)
     group = num_qo_heads // num_kv_heads
-    if is_narrow_tile(prefix_queries, prefix_groups, group, head_dim, dtype):
+    tile = groups_tile_config(prefix_queries, prefix_groups, group, head_dim, dtype)
+    if is_narrow_tile(tile):
         return paged_num_splits(*args)
     splits = paged_num_splits(*args, sm_share=share)
     if decode_schedule != "per_request":
         return splits
     decode_programs = whole_sm_decode_programs(decode_rows, num_qo_heads, num_kv_heads, head_dim, dtype, page_size,
                                                device)
-    tile = groups_tile_config(prefix_queries, prefix_groups, group, head_dim, dtype)
     prefix_programs = num_m_tiles(prefix_queries, prefix_groups, group, tile.block_m) * num_kv_heads * splits
     if decode_programs and decode_programs > planning_sms(device) - prefix_programs:
         return paged_num_splits(*args)
