@@ -1,7 +1,7 @@
 """Could a decode level fed by TMA bulk copies read HBM at full speed on fewer SMs?
 
     python -m benchmarks.tools.probe_tma_read [--shapes B,P,S ...] [--stages 2 4 8] [--sms 32 64 ...]
-        [--beside-sms 68 ...] [--json PATH]
+        [--beside-sms 68 ...] [--plan-splits] [--json PATH]
 
 Beside the prefix level the decode level draws 36-40 GB/s per SM from HBM on the SMs the
 prefix leaves it (benchmarks/NOTES.md, "Cascade" v9), so the two levels together take
@@ -18,7 +18,8 @@ CUDA-graph times over pools rotated past L2:
   in one persistent program per SM, ``--sms`` of them, its ring sized to take the SM; for
   each of ``--beside-sms`` also beside the prefix level);
 * the Triton decode level alone (``batch_decode_paged``), the prefix level alone on the
-  share's grid (one split: its (tile, kv head) pairs), the two-level cascade (``run``);
+  share's grid (one split: its (tile, kv head) pairs; with ``--plan-splits`` the split
+  count of the cascade's plan), the two-level cascade (``run``);
 * the prefix level with the reader on a side stream beside it, the reader standing in
   for the decode level;
 * ``tma_decode``, a prototype decode kernel fed the same way (one warp per (request, kv
@@ -260,14 +261,26 @@ class Decoder:
         return err
 
 
-def prefix_one_split_calls(wl):
-    """The prefix level alone on the share's grid: one split, one program per (tile, kv head)."""
+def prefix_calls(wl, splits: int):
+    """The prefix level alone in ``splits`` KV splits (1: the share's grid at the engine's
+    shapes, one program per (tile, kv head))."""
     from cascadeinfer import batch_prefill_paged  # noqa: PLC0415
 
     outs, lses = wl.out_buffers()
     return [lambda i=i: batch_prefill_paged(
         wl.qs[i], wl.qo_indptr[0], wl.pools[i], wl.kv_indptr[0], wl.kv_indices[0], wl.kv_last[0],
-        out=outs[i], lse=lses[i], validate=False, num_splits=1) for i in range(wl.rot)]
+        out=outs[i], lse=lses[i], validate=False, num_splits=splits) for i in range(wl.rot)]
+
+
+def plan_splits(wl) -> int:
+    """The prefix level's split count in the public cascade's plan of this workload."""
+    from cascadeinfer.cascade.multi_level import MultiLevelCascadeAttention  # noqa: PLC0415
+
+    s = wl.shape
+    attn = MultiLevelCascadeAttention(2, device=wl.device)
+    attn.plan(*wl.tables(), s.hq, s.hkv, s.head_dim, PAGE, num_pages=wl.num_pages, dtype=torch.bfloat16,
+              use_cascade=True)
+    return attn._levels[-2].num_splits
 
 
 def beside(main_calls, side_calls):
@@ -289,6 +302,8 @@ def options(ap) -> None:
     ap.add_argument("--stages", nargs="*", type=int, default=list(STAGES))
     ap.add_argument("--sms", nargs="*", type=int, default=list(SMS))
     ap.add_argument("--beside-sms", nargs="*", type=int, default=[68])
+    ap.add_argument("--plan-splits", action="store_true",
+                    help="the prefix level in the cascade plan's split count (default: one split)")
 
 
 def main() -> None:
@@ -301,7 +316,9 @@ def main() -> None:
         decode_bytes = s.batch * s.suffix_pages * PAGE * s.token_bytes
         row = {"shape": text, "decode bytes MB": decode_bytes / 1e6, "bytes floor us": decode_bytes / copy_bw * 1e6}
         row["decode alone us"] = timer(level_alone_calls(wl, 1)) * 1e6
-        prefix = prefix_one_split_calls(wl)
+        splits = plan_splits(wl) if args.plan_splits else 1
+        row["prefix splits"] = splits
+        prefix = prefix_calls(wl, splits)
         row["prefix alone us"] = timer(prefix) * 1e6
         cascade = ours(wl, True)
         row["cascade us"] = timer([cascade.call(i) for i in range(wl.rot)]) * 1e6
