@@ -1,0 +1,221 @@
+"""How fast can a few SMs read HBM, and does that hold beside the cascade's prefix level?
+
+    python -m benchmarks.tools.probe_sm_read [--shapes B,P,S ...] [--sms 8 33 66 132] [--json PATH]
+
+Beside the prefix level the decode level gets the SMs the prefix leaves and reads its pages
+there at 36-40 GB/s per SM (benchmarks/NOTES.md, "Cascade" v9, v13), about what each SM
+reads when the decode level has the whole GPU. Is that the hardware's rate per SM? This
+times a streaming reader with nothing in its way: one persistent Triton program per SM,
+``--sms`` of them, summing a 4 GiB bf16 buffer chunk by chunk (chunks of 4,096 or 16,384
+elements, 8 warps, a ``tl.range`` pipeline of 4 stages: 24 or 96 KiB in flight per
+program), as GB/s per SM. Then, per shape (default: the engine's decode batch, 256
+requests over a 4096-token shared prompt with 144, 256 and 384 tokens of their own), in
+CUDA-graph replays: the decode level alone, the prefix level alone on the share's grid
+(one split, 64 programs at these shapes), the public cascade, and the reader streaming
+the decode level's byte count (a buffer of that size) on 68 programs, alone and on a side
+stream beside that prefix level: the time the cascade would take if its decode level read
+like the reader. Last, ``page_major``, a first sketch of a decode level built that way
+(one program per SM; each step one page of one request, all its kv heads: a 32 KiB K and
+a 32 KiB V load, batched ``tl.dot`` over the heads; the programs take contiguous ranges of
+the flat page list, across requests, and write one state per (program, request) piece,
+merged here in float64 for the check only), alone on 132 and 68 programs and beside the
+prefix level. GPU only.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from benchmarks._common import environment, markdown_table, measure_ceilings, write_json
+from benchmarks.fixtures import PAGE, level_alone_calls, ours, shape_tool_start, shape_workloads
+
+ENGINE_SHAPES = ("256,4096,144", "256,4096,256", "256,4096,384")
+SMS = (8, 33, 66, 132)
+CHUNKS = (4096, 16384)
+BESIDE = 68  # the SMs the prefix level's one-split grid (64 programs) leaves on 132
+
+
+@triton.jit
+def stream_reader(x_ptr, out_ptr, n_chunks, programs, BLOCK: tl.constexpr, STAGES: tl.constexpr):
+    """Program ``p`` sums chunks ``p, p + programs, ..`` of ``BLOCK`` elements into one
+    float32 row of ``out`` (so the loads cannot be dropped)."""
+    pid = tl.program_id(0)
+    acc = tl.zeros([BLOCK], tl.float32)
+    offs = tl.arange(0, BLOCK)
+    for c in tl.range(pid, n_chunks, programs, num_stages=STAGES):
+        acc += tl.load(x_ptr + c.to(tl.int64) * BLOCK + offs).to(tl.float32)
+    tl.store(out_ptr + pid * BLOCK + offs, acc)
+
+
+@triton.jit
+def page_major(q_ptr, pool_ptr, entry_req_ptr, kv_indices_ptr, kv_indptr_ptr, kv_last_ptr, po_ptr, plse_ptr,
+               total, per_prog, stride_qb, stride_qh, stride_pp, stride_pkv, stride_pt, stride_ph,
+               stride_ob, stride_oh, stride_lb, qk_scale,
+               HKV: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, D: tl.constexpr,
+               STAGES: tl.constexpr):
+    """Entries ``[pid * per_prog, ..)`` of the flat page list, one a step, all kv heads; the
+    state of each (program, request) piece into slot ``pid + request`` (base-2 LSE)."""
+    pid = tl.program_id(0)
+    lo = pid * per_prog
+    hi = tl.minimum(lo + per_prog, total)
+    h = tl.arange(0, HKV)
+    g = tl.arange(0, 16)
+    n = tl.arange(0, PAGE_SIZE)
+    d = tl.arange(0, D)
+    qrow = h[:, None] * GROUP + g[None, :]  # [HKV, 16]: rows past GROUP are padding
+    row_ok = (g < GROUP)[None, :] & (h >= 0)[:, None]
+    kv_off = n[:, None, None] * stride_pt + h[None, :, None] * stride_ph + d[None, None, :]  # [PAGE, HKV, D]
+    m_i = tl.full([HKV, 16], float("-inf"), tl.float32)
+    l_i = tl.zeros([HKV, 16], tl.float32)
+    acc = tl.zeros([HKV, 16, D], tl.float32)
+    for j in tl.range(lo, hi, num_stages=STAGES):
+        r = tl.load(entry_req_ptr + j)
+        page = tl.load(kv_indices_ptr + j).to(tl.int64)
+        first = tl.load(kv_indptr_ptr + r)
+        last = tl.load(kv_indptr_ptr + r + 1) - 1
+        valid = tl.where(j == last, tl.load(kv_last_ptr + r), PAGE_SIZE)
+        q = tl.load(q_ptr + r.to(tl.int64) * stride_qb + qrow[:, :, None] * stride_qh + d[None, None, :],
+                    mask=row_ok[:, :, None], other=0.0)
+        k = tl.load(pool_ptr + page * stride_pp + kv_off)
+        v = tl.load(pool_ptr + page * stride_pp + stride_pkv + kv_off)
+        fresh = (j == first) | (j == lo)
+        m_i = tl.where(fresh, float("-inf"), m_i)
+        l_i = tl.where(fresh, 0.0, l_i)
+        acc = tl.where(fresh, 0.0, acc)
+        s = tl.dot(q, tl.permute(k, (1, 2, 0)))  # [HKV, 16, PAGE]
+        s = tl.where((n < valid)[None, None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=2))
+        p = tl.exp2(s - m_new[:, :, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=2)
+        acc = acc * alpha[:, :, None] + tl.dot(p.to(q.dtype), tl.permute(v, (1, 0, 2)))
+        m_i = m_new
+        if (j == last) | (j == hi - 1):
+            slot = (pid + r).to(tl.int64)
+            tl.store(po_ptr + slot * stride_ob + qrow[:, :, None] * stride_oh + d[None, None, :],
+                     acc / l_i[:, :, None], mask=row_ok[:, :, None])
+            tl.store(plse_ptr + slot * stride_lb + qrow, m_i + tl.log2(l_i), mask=row_ok)
+
+
+class PageMajor:
+    """``page_major`` over one workload's decode level on ``programs`` programs."""
+
+    def __init__(self, wl, programs: int):
+        s = wl.shape
+        if s.hkv & (s.hkv - 1) or s.hq // s.hkv > 16:
+            raise SystemExit("probe_sm_read: page_major needs a power-of-two Hkv and groups of <= 16")
+        self.wl, self.programs = wl, programs
+        indptr = wl.kv_indptr[1]
+        self.total = int(indptr[-1])
+        self.per = -(-self.total // programs)
+        entries = torch.arange(self.total, device=indptr.device, dtype=torch.int32)
+        self.entry_req = (torch.searchsorted(indptr, entries, right=True) - 1).to(torch.int32)
+        self.po = torch.empty(programs + s.batch, s.hq, s.head_dim, device=wl.device)
+        self.plse = torch.empty(programs + s.batch, s.hq, device=wl.device)
+        self.qk_scale = s.head_dim ** -0.5 * 1.4426950408889634
+
+    def call(self, i: int):
+        wl, s = self.wl, self.wl.shape
+        pool, q = wl.pools[i], wl.qs[i]
+
+        def run():
+            page_major[(self.programs,)](
+                q, pool, self.entry_req, wl.kv_indices[1], wl.kv_indptr[1], wl.kv_last[1], self.po, self.plse,
+                self.total, self.per, q.stride(0), q.stride(1), pool.stride(0), pool.stride(1), pool.stride(2),
+                pool.stride(3), self.po.stride(0), self.po.stride(1), self.plse.stride(0), self.qk_scale,
+                s.hkv, s.hq // s.hkv, PAGE, s.head_dim, 3, num_warps=8)
+        return run
+
+    def max_error(self, o_ref: torch.Tensor) -> float:
+        """Max |o - o_ref| over rotation 0, the pieces merged in float64."""
+        self.po.fill_(float("nan"))
+        self.call(0)()
+        indptr = self.wl.kv_indptr[1].tolist()
+        worst = 0.0
+        for r in range(self.wl.shape.batch):
+            slots = [p + r for p in range(indptr[r] // self.per, (indptr[r + 1] - 1) // self.per + 1)]
+            lse = self.plse[slots].double() * 0.6931471805599453
+            w = torch.softmax(lse, dim=0)
+            o = (w[:, :, None] * self.po[slots].double()).sum(0)
+            worst = max(worst, (o - o_ref[r].double()).abs().max().item())
+        return worst
+
+
+def reader_calls(nbytes: int, programs: int, rotations: int, device, block: int = 16384):
+    """``stream_reader`` over a fresh buffer of ``nbytes`` per rotation on ``programs`` programs."""
+    n_chunks = nbytes // (2 * block)
+    bufs = [torch.randn(n_chunks * block, device=device, dtype=torch.bfloat16) for _ in range(rotations)]
+    out = torch.empty(programs * block, device=device)
+    return [lambda b=b: stream_reader[(programs,)](b, out, n_chunks, programs, block, 4, num_warps=8) for b in bufs]
+
+
+def beside(main_calls, side_calls):
+    """Each rotation's main call with the side call on a second stream, joined."""
+    side = torch.cuda.Stream()
+
+    def both(i):
+        def run():
+            side.wait_stream(torch.cuda.current_stream())
+            main_calls[i]()
+            with torch.cuda.stream(side):
+                side_calls[i]()
+            torch.cuda.current_stream().wait_stream(side)
+        return run
+    return [both(i) for i in range(len(main_calls))]
+
+
+def options(ap) -> None:
+    ap.add_argument("--sms", nargs="*", type=int, default=list(SMS))
+
+
+def main() -> None:
+    from cascadeinfer import batch_decode_paged, batch_prefill_paged
+
+    args, device, timer = shape_tool_start(__doc__, "probe_sm_read", ENGINE_SHAPES, 100, options)
+    copy_bw, _ = measure_ceilings()
+    big = 4 * 1024 ** 3  # past L2 many times: one buffer, no rotation needed
+    x = torch.randn(big // 2, device=device, dtype=torch.bfloat16)
+    per_sm = []
+    for block in CHUNKS:
+        out = torch.empty(max(args.sms) * block, device=device)
+        for n in args.sms:
+            t = timer([lambda n=n, block=block, out=out: stream_reader[(n,)](
+                x, out, x.numel() // block, n, block, 4, num_warps=8)])
+            per_sm.append({"chunk elements": block, "programs": n, "GB/s": big / t / 1e9,
+                           "GB/s per SM": big / t / n / 1e9})
+    del x
+    print(markdown_table(per_sm, list(per_sm[0])), flush=True)
+
+    rows = []
+    for text, s, wl in shape_workloads(args.shapes, device):
+        nbytes = s.batch * s.suffix_pages * PAGE * s.token_bytes
+        outs, lses = wl.out_buffers()
+        prefix = [lambda i=i: batch_prefill_paged(
+            wl.qs[i], wl.qo_indptr[0], wl.pools[i], wl.kv_indptr[0], wl.kv_indices[0], wl.kv_last[0],
+            out=outs[i], lse=lses[i], validate=False, num_splits=1) for i in range(wl.rot)]
+        cascade = ours(wl, True)
+        row = {"shape": text, "decode MB": nbytes / 1e6, "bytes floor us": nbytes / copy_bw * 1e6,
+               "decode alone us": timer(level_alone_calls(wl, 1)) * 1e6, "prefix alone us": timer(prefix) * 1e6,
+               "cascade us": timer([cascade.call(i) for i in range(wl.rot)]) * 1e6}
+        reader = reader_calls(nbytes, BESIDE, wl.rot, device)
+        row[f"reader on {BESIDE} us"] = timer(reader) * 1e6
+        row[f"prefix + reader on {BESIDE} us"] = timer(beside(prefix, reader)) * 1e6
+        del reader
+        o_ref, _ = batch_decode_paged(wl.qs[0], wl.pools[0], wl.kv_indptr[1], wl.kv_indices[1], wl.kv_last[1])
+        for n in (132, BESIDE):
+            pm = PageMajor(wl, n)
+            row[f"page_major on {n} max err"] = pm.max_error(o_ref)
+            calls = [pm.call(i) for i in range(wl.rot)]
+            row[f"page_major on {n} us"] = timer(calls) * 1e6
+            if n == BESIDE:
+                row[f"prefix + page_major on {n} us"] = timer(beside(prefix, calls)) * 1e6
+        rows.append(row)
+        print(markdown_table([row], list(row)), flush=True)
+    write_json(args.json, {"environment": environment(), "copy_bytes_per_s": copy_bw, "per_sm": per_sm,
+                           "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
