@@ -1,6 +1,7 @@
 """Could the cascade's two levels share each SM instead of splitting the SMs between them?
 
-    python -m benchmarks.tools.probe_fused_levels [--shapes B,P,S ...] [--configs N,PS,DW,DS ...] [--json PATH]
+    python -m benchmarks.tools.probe_fused_levels [--shapes B,P,S ...] [--configs N,PS,DW,DS ...]
+        [--beside N [--beside-only]] [--json PATH]
 
 Beside the prefix level the decode level reads its pages through the SMs the prefix
 leaves, at the rate per SM it gets anywhere, so the cascade costs the SM time of both
@@ -23,7 +24,9 @@ tokens of their own) and config, CUDA-graph times over pools rotated past L2: th
 cascade; the fused kernel with both levels, with the prefix level only and with the decode
 level only (one program per SM whichever runs: the register file), with the merge, and with
 the decode level's page ids all among 64 pages (its work and L2 traffic kept, its HBM reads
-gone), alone and beside the prefix level. The result is checked against the public cascade's. If both levels
+gone), alone and beside the prefix level. With ``--beside N``, the decode part alone as a
+persistent kernel of its own on ``N`` programs (its items spread over them), by itself and
+on a side stream beside the public prefix level on one split (64 programs at these shapes). The result is checked against the public cascade's. If both levels
 together take about the longer one alone, the SM can be shared and a fused cascade
 kernel is worth building. A probe: bf16, head_dim 128, page size 16, whole prefix tiles,
 the same number of pages per request. Compute capability 9.0 only.
@@ -316,7 +319,7 @@ class Fused:
     call), its two states merged by ``merge_state`` when ``merge``."""
 
     def __init__(self, wl, config: str, prefix: bool = True, decode: bool = True, merge: bool = True,
-                 decode_from_l2: bool = False):
+                 decode_from_l2: bool = False, programs: int | None = None):
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
         s = wl.shape
@@ -326,6 +329,8 @@ class Fused:
         self.wl, self.prefix, self.decode, self.merge = wl, prefix, decode, merge
         self.group = s.hq // s.hkv
         self.tiles = -(-s.batch * self.group // 64)
+        # Without the prefix part the grid may be any size (the decode items spread over it).
+        self.programs = programs if programs is not None and not prefix else self.tiles * s.hkv
         layout = ttgl.NVMMASharedLayout.get_default_for([PAGE, s.head_dim], ttgl.bfloat16)
         self.descs = []
         for pool in wl.pools:
@@ -348,7 +353,7 @@ class Fused:
 
         def run():
             q, po, pl, do, dl = wl.qs[i], self.p_out[i], self.p_lse[i], self.d_out[i], self.d_lse[i]
-            fused_levels[(self.tiles * s.hkv,)](
+            fused_levels[(self.programs,)](
                 q, self.descs[i], wl.kv_indices[0], self.decode_pages, wl.kv_last[1], po, pl, do, dl,
                 s.batch, s.prefix // self.block_n, s.batch * s.hkv, s.suffix_pages, s.hkv,
                 q.stride(0), q.stride(1), po.stride(0), po.stride(1), pl.stride(0), self.qk_scale,
@@ -372,6 +377,9 @@ class Fused:
 
 def options(ap) -> None:
     ap.add_argument("--configs", nargs="*", default=list(CONFIGS))
+    ap.add_argument("--beside", type=int, default=0, metavar="N",
+                    help="also the decode part alone on N programs beside the prefix level's one-split grid")
+    ap.add_argument("--beside-only", action="store_true", help="only that (with --beside)")
 
 
 def main() -> None:
@@ -388,7 +396,17 @@ def main() -> None:
         calls = [cascade.call(i) for i in range(wl.rot)]
         row["cascade us"] = timer(calls) * 1e6
         expected = tuple(t.clone() for t in cascade.result())
-        for cfg in args.configs:
+        if args.beside:
+            from benchmarks.tools.probe_tma_read import beside, prefix_calls  # noqa: PLC0415
+
+            prefix = prefix_calls(wl, 1)
+            row["prefix, one split, alone us"] = timer(prefix) * 1e6
+            for cfg in args.configs:
+                f = Fused(wl, cfg, prefix=False, merge=False, programs=args.beside)
+                calls = [f.call(i) for i in range(wl.rot)]
+                row[f"{cfg} decode part on {args.beside} us"] = timer(calls) * 1e6
+                row[f"prefix + {cfg} decode part on {args.beside} us"] = timer(beside(prefix, calls)) * 1e6
+        for cfg in ([] if args.beside_only else args.configs):
             both = Fused(wl, cfg)
             row[f"{cfg} max err o / lse"] = "{:.3g} / {:.3g}".format(*both.check(expected))
             row[f"{cfg} fused + merge us"] = timer([both.call(i) for i in range(wl.rot)]) * 1e6

@@ -196,6 +196,80 @@ def tma_decode(q_ptr, desc, kv_indices_ptr, kv_indptr_ptr, kv_last_ptr, o_ptr, l
     ttgl.store(lse_ptr + request.to(ttgl.int64) * stride_lt + head * GROUP + r, lse, mask=r < GROUP)
 
 
+@gluon.jit
+def tma_decode_t(q_ptr, desc, kv_indices_ptr, kv_indptr_ptr, kv_last_ptr, o_ptr, lse_ptr,
+                 stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, qk_scale,
+                 GROUP: ttgl.constexpr, PAGE_SIZE: ttgl.constexpr, HEAD_DIM: ttgl.constexpr,
+                 STAGES: ttgl.constexpr):
+    """``tma_decode`` transposed: keys on the M side of ``mma.sync`` and the query group on
+    an 8-wide N side (half the padding of 16 rows for groups of 4, a ``[HEAD_DIM, 8]``
+    float32 output: a quarter of the registers). ``Sᵀ = K Qᵀ`` (``[PAGE_SIZE, 8]``), the
+    softmax down the keys, ``Oᵀ += Vᵀ Pᵀ``. Groups of at most 8."""
+    request = ttgl.program_id(0)
+    head = ttgl.program_id(1)
+    mma_l: ttgl.constexpr = ttgl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    a_l: ttgl.constexpr = ttgl.DotOperandLayout(operand_index=0, parent=mma_l, k_width=2)
+    b_l: ttgl.constexpr = ttgl.DotOperandLayout(operand_index=1, parent=mma_l, k_width=2)
+    ld: ttgl.constexpr = ttgl.BlockedLayout([8, 1], [16, 2], [1, 1], [0, 1])
+    sl: ttgl.constexpr = ttgl.NVMMASharedLayout.get_default_for([PAGE_SIZE, HEAD_DIM], ttgl.bfloat16)
+    k_bufs = ttgl.allocate_shared_memory(ttgl.bfloat16, [STAGES, PAGE_SIZE, HEAD_DIM], sl)
+    v_bufs = ttgl.allocate_shared_memory(ttgl.bfloat16, [STAGES, PAGE_SIZE, HEAD_DIM], sl)
+    bars = ttgl.allocate_shared_memory(ttgl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in ttgl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    fence_async_shared()
+
+    kv_start = ttgl.load(kv_indptr_ptr + request)
+    n_pages = ttgl.load(kv_indptr_ptr + request + 1) - kv_start
+    last_len = ttgl.load(kv_last_ptr + request)
+    page_ptr = kv_indices_ptr + kv_start
+    head_col = head * HEAD_DIM
+    for i in ttgl.static_range(STAGES):
+        if i < n_pages:
+            _issue_page(desc, k_bufs, v_bufs, bars, i, ttgl.load(page_ptr + i), head_col, PAGE_SIZE, HEAD_DIM)
+
+    # Qᵀ: [HEAD_DIM, 8], column n the query head head * GROUP + n (zeros past GROUP).
+    dq = ttgl.arange(0, HEAD_DIM, layout=ttgl.SliceLayout(1, ld))
+    nq = ttgl.arange(0, 8, layout=ttgl.SliceLayout(0, ld))
+    q_off = request.to(ttgl.int64) * stride_qt + (head * GROUP + nq).to(ttgl.int64) * stride_qh
+    qt = ttgl.load(q_ptr + (ttgl.expand_dims(dq, 1) + ttgl.expand_dims(q_off, 0)),
+                   mask=ttgl.expand_dims(nq < GROUP, 0), other=0.0)
+    qt = ttgl.convert_layout(qt, b_l)
+    m_i = ttgl.full([8], float("-inf"), ttgl.float32, layout=ttgl.SliceLayout(0, mma_l))
+    l_i = ttgl.full([8], 0.0, ttgl.float32, layout=ttgl.SliceLayout(0, mma_l))
+    acc = ttgl.zeros([HEAD_DIM, 8], ttgl.float32, layout=mma_l)
+    s_zero = ttgl.zeros([PAGE_SIZE, 8], ttgl.float32, layout=mma_l)
+    keys = ttgl.arange(0, PAGE_SIZE, layout=ttgl.SliceLayout(1, mma_l))
+    for j in range(n_pages):
+        slot = j % STAGES
+        refill = ttgl.load(page_ptr + ttgl.minimum(j + STAGES, n_pages - 1))
+        mbarrier.wait(bars.index(slot), (j // STAGES) & 1)
+        k = k_bufs.index(slot).load(a_l)
+        vt = v_bufs.index(slot).permute((1, 0)).load(a_l)
+        st = mma_v2(k, qt, s_zero)
+        valid = ttgl.where(j == n_pages - 1, last_len, PAGE_SIZE)
+        st = ttgl.where(ttgl.expand_dims(keys < valid, 1), st * qk_scale, float("-inf"))
+        m_new = ttgl.maximum(m_i, ttgl.max(st, axis=0))
+        p = ttgl.exp2(st - ttgl.expand_dims(m_new, 0))
+        alpha = ttgl.exp2(m_i - m_new)
+        l_i = l_i * alpha + ttgl.sum(p, axis=0)
+        m_i = m_new
+        acc = acc * ttgl.expand_dims(alpha, 0)
+        acc = mma_v2(vt, ttgl.convert_layout(p.to(ttgl.bfloat16), b_l), acc)
+        if j + STAGES < n_pages:  # both products have read the slot's K and V: refill it
+            _issue_page(desc, k_bufs, v_bufs, bars, slot, refill, head_col, PAGE_SIZE, HEAD_DIM)
+
+    l_safe = ttgl.where(l_i == 0.0, 1.0, l_i)
+    o = acc / ttgl.expand_dims(l_safe, 0)
+    lse = ttgl.where(l_i == 0.0, float("-inf"), (m_i + ttgl.log2(l_safe)) * KERNEL_LN2)
+    d = ttgl.arange(0, HEAD_DIM, layout=ttgl.SliceLayout(1, mma_l))
+    n = ttgl.arange(0, 8, layout=ttgl.SliceLayout(0, mma_l))
+    o_off = request.to(ttgl.int64) * stride_ot + (head * GROUP + n).to(ttgl.int64) * stride_oh
+    ttgl.store(o_ptr + (ttgl.expand_dims(d, 1) + ttgl.expand_dims(o_off, 0)), o.to(ttgl.bfloat16),
+               mask=ttgl.expand_dims(n < GROUP, 0))
+    ttgl.store(lse_ptr + request.to(ttgl.int64) * stride_lt + head * GROUP + n, lse, mask=n < GROUP)
+
+
 class Reader:
     """The decode level's pages of one workload, read by ``tma_reader`` (one rotation's
     pool each call)."""
@@ -227,9 +301,10 @@ class Reader:
 class Decoder:
     """The decode level of one workload by ``tma_decode`` (one rotation's pool each call)."""
 
-    def __init__(self, wl, stages: int, reader: Reader):
+    def __init__(self, wl, stages: int, reader: Reader, transposed: bool = False):
         s = wl.shape
         self.wl, self.stages, self.descs = wl, stages, reader.descs
+        self.kernel = tma_decode_t if transposed else tma_decode
         self.group = s.hq // s.hkv
         self.outs, self.lses = wl.out_buffers()
         self.qk_scale = s.head_dim ** -0.5 * 1.4426950408889634
@@ -239,9 +314,9 @@ class Decoder:
 
         def run():
             q, o, lse = wl.qs[i], self.outs[i], self.lses[i]
-            tma_decode[(s.batch, s.hkv)](q, self.descs[i], wl.kv_indices[1], wl.kv_indptr[1], wl.kv_last[1], o, lse,
-                                         q.stride(0), q.stride(1), o.stride(0), o.stride(1), lse.stride(0),
-                                         self.qk_scale, self.group, PAGE, s.head_dim, self.stages, num_warps=1)
+            self.kernel[(s.batch, s.hkv)](q, self.descs[i], wl.kv_indices[1], wl.kv_indptr[1], wl.kv_last[1], o, lse,
+                                          q.stride(0), q.stride(1), o.stride(0), o.stride(1), lse.stride(0),
+                                          self.qk_scale, self.group, PAGE, s.head_dim, self.stages, num_warps=1)
         return run
 
     def check(self) -> float:
@@ -302,6 +377,7 @@ def options(ap) -> None:
     ap.add_argument("--stages", nargs="*", type=int, default=list(STAGES))
     ap.add_argument("--sms", nargs="*", type=int, default=list(SMS))
     ap.add_argument("--beside-sms", nargs="*", type=int, default=[68])
+    ap.add_argument("--transposed", action="store_true", help="also tma_decode_t (keys on the M side)")
     ap.add_argument("--plan-splits", action="store_true",
                     help="the prefix level in the cascade plan's split count (default: one split)")
 
@@ -332,6 +408,12 @@ def main() -> None:
             calls = [dec.call(i) for i in range(wl.rot)]
             row[f"tma decode s{st} us"] = timer(calls) * 1e6
             row[f"prefix + tma decode s{st} us"] = timer(beside(prefix, calls)) * 1e6
+            if args.transposed:
+                dec = Decoder(wl, st, rd, transposed=True)
+                row[f"tma decode T s{st} max err"] = dec.check()
+                calls = [dec.call(i) for i in range(wl.rot)]
+                row[f"tma decode T s{st} us"] = timer(calls) * 1e6
+                row[f"prefix + tma decode T s{st} us"] = timer(beside(prefix, calls)) * 1e6
         for n in args.sms:
             rd = Reader(wl, PERSISTENT_STAGES, n)
             calls = [rd.call(i) for i in range(wl.rot)]
