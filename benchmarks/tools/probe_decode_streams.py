@@ -31,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from benchmarks._common import environment, markdown_table, measure_ceilings, write_json
 from benchmarks.fixtures import PAGE, level_alone_calls, ours, shape_tool_start, shape_workloads
-from benchmarks.tools.probe_tma_read import _issue_page, beside, prefix_calls
+from benchmarks.tools.probe_tma_read import _issue_page, beside, page_descriptors, prefix_calls
 from cascadeinfer.kernels.constants import KERNEL_LN2
 
 ENGINE_SHAPES = ("256,4096,144", "256,4096,256", "256,4096,384")
@@ -225,20 +225,14 @@ class Streams:
     """``decode_streams`` over one workload's decode level on ``programs`` programs."""
 
     def __init__(self, wl, streams: int, programs: int, hnd_pools: list | None = None):
-        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
         s = wl.shape
         if s.head_dim != 128 or s.hq // s.hkv > 8 or streams not in (4, 8):
             raise SystemExit("probe_decode_streams: head_dim 128, groups of <= 8, 4 or 8 streams")
         if int((wl.kv_indptr[1][1:] - wl.kv_indptr[1][:-1]).min()) < 1:
             raise SystemExit("probe_decode_streams: every request needs a page")
         self.wl, self.streams, self.programs = wl, streams, programs
-        layout = ttgl.NVMMASharedLayout.get_default_for([PAGE, s.head_dim], ttgl.bfloat16)
         self.hnd = hnd_pools is not None
-        self.descs = []
-        for pool in hnd_pools or wl.pools:
-            rows = pool.view(-1, s.head_dim if self.hnd else s.hkv * s.head_dim)
-            self.descs.append(TensorDescriptor(rows, list(rows.shape), [rows.shape[1], 1], [PAGE, s.head_dim], layout))
+        self.descs = page_descriptors(wl, hnd_pools, self.hnd)
         self.outs, self.lses = wl.out_buffers()
         self.qk_scale = s.head_dim ** -0.5 * 1.4426950408889634
 

@@ -320,7 +320,7 @@ class Fused:
 
     def __init__(self, wl, config: str, prefix: bool = True, decode: bool = True, merge: bool = True,
                  decode_from_l2: bool = False, programs: int | None = None):
-        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+        from benchmarks.tools.probe_tma_read import page_descriptors  # noqa: PLC0415
 
         s = wl.shape
         if s.head_dim != 128 or s.prefix % 64 or s.hq % s.hkv:
@@ -331,11 +331,7 @@ class Fused:
         self.tiles = -(-s.batch * self.group // 64)
         # Without the prefix part the grid may be any size (the decode items spread over it).
         self.programs = programs if programs is not None and not prefix else self.tiles * s.hkv
-        layout = ttgl.NVMMASharedLayout.get_default_for([PAGE, s.head_dim], ttgl.bfloat16)
-        self.descs = []
-        for pool in wl.pools:
-            rows = pool.view(-1, s.hkv * s.head_dim)
-            self.descs.append(TensorDescriptor(rows, list(rows.shape), [rows.shape[1], 1], [PAGE, s.head_dim], layout))
+        self.descs = page_descriptors(wl)
         # decode_from_l2: every decode page one of 64 (4 MiB), so the decode level keeps its
         # work and its L2 traffic but reads (almost) nothing from HBM.
         pages = wl.kv_indices[1]

@@ -30,6 +30,7 @@ import triton.language as tl
 
 from benchmarks._common import environment, markdown_table, measure_ceilings, write_json
 from benchmarks.fixtures import PAGE, level_alone_calls, ours, shape_tool_start, shape_workloads
+from benchmarks.tools.probe_tma_read import beside, prefix_calls
 
 ENGINE_SHAPES = ("256,4096,144", "256,4096,256", "256,4096,384")
 SMS = (8, 33, 66, 132)
@@ -151,27 +152,12 @@ def reader_calls(nbytes: int, programs: int, rotations: int, device, block: int 
     return [lambda b=b: stream_reader[(programs,)](b, out, n_chunks, programs, block, 4, num_warps=8) for b in bufs]
 
 
-def beside(main_calls, side_calls):
-    """Each rotation's main call with the side call on a second stream, joined."""
-    side = torch.cuda.Stream()
-
-    def both(i):
-        def run():
-            side.wait_stream(torch.cuda.current_stream())
-            main_calls[i]()
-            with torch.cuda.stream(side):
-                side_calls[i]()
-            torch.cuda.current_stream().wait_stream(side)
-        return run
-    return [both(i) for i in range(len(main_calls))]
-
-
 def options(ap) -> None:
     ap.add_argument("--sms", nargs="*", type=int, default=list(SMS))
 
 
 def main() -> None:
-    from cascadeinfer import batch_decode_paged, batch_prefill_paged
+    from cascadeinfer import batch_decode_paged
 
     args, device, timer = shape_tool_start(__doc__, "probe_sm_read", ENGINE_SHAPES, 100, options)
     copy_bw, _ = measure_ceilings()
@@ -181,7 +167,7 @@ def main() -> None:
     for block in CHUNKS:
         out = torch.empty(max(args.sms) * block, device=device)
         for n in args.sms:
-            t = timer([lambda n=n, block=block, out=out: stream_reader[(n,)](
+            t = timer([lambda n=n, block=block, out=out, x=x: stream_reader[(n,)](
                 x, out, x.numel() // block, n, block, 4, num_warps=8)])
             per_sm.append({"chunk elements": block, "programs": n, "GB/s": big / t / 1e9,
                            "GB/s per SM": big / t / n / 1e9})
@@ -191,10 +177,7 @@ def main() -> None:
     rows = []
     for text, s, wl in shape_workloads(args.shapes, device):
         nbytes = s.batch * s.suffix_pages * PAGE * s.token_bytes
-        outs, lses = wl.out_buffers()
-        prefix = [lambda i=i: batch_prefill_paged(
-            wl.qs[i], wl.qo_indptr[0], wl.pools[i], wl.kv_indptr[0], wl.kv_indices[0], wl.kv_last[0],
-            out=outs[i], lse=lses[i], validate=False, num_splits=1) for i in range(wl.rot)]
+        prefix = prefix_calls(wl, 1)
         cascade = ours(wl, True)
         row = {"shape": text, "decode MB": nbytes / 1e6, "bytes floor us": nbytes / copy_bw * 1e6,
                "decode alone us": timer(level_alone_calls(wl, 1)) * 1e6, "prefix alone us": timer(prefix) * 1e6,

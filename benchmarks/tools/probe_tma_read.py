@@ -115,6 +115,29 @@ def _issue_page(desc, k_bufs, v_bufs, bars, slot, page, head_col, PAGE_SIZE: ttg
 
 
 @gluon.jit
+def _request_ring(desc, kv_indices_ptr, kv_indptr_ptr, kv_last_ptr, request, head_col,
+                  PAGE_SIZE: ttgl.constexpr, HEAD_DIM: ttgl.constexpr, STAGES: ttgl.constexpr):
+    """One (request, kv head) program's ring of ``STAGES`` page slots (K and V, one barrier
+    each), with the request's first pages issued into it. Returns ``(k_bufs, v_bufs, bars,
+    page_ptr, n_pages, last_len)``."""
+    sl: ttgl.constexpr = ttgl.NVMMASharedLayout.get_default_for([PAGE_SIZE, HEAD_DIM], ttgl.bfloat16)
+    k_bufs = ttgl.allocate_shared_memory(ttgl.bfloat16, [STAGES, PAGE_SIZE, HEAD_DIM], sl)
+    v_bufs = ttgl.allocate_shared_memory(ttgl.bfloat16, [STAGES, PAGE_SIZE, HEAD_DIM], sl)
+    bars = ttgl.allocate_shared_memory(ttgl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in ttgl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    fence_async_shared()
+    kv_start = ttgl.load(kv_indptr_ptr + request)
+    n_pages = ttgl.load(kv_indptr_ptr + request + 1) - kv_start
+    last_len = ttgl.load(kv_last_ptr + request)
+    page_ptr = kv_indices_ptr + kv_start
+    for i in ttgl.static_range(STAGES):
+        if i < n_pages:
+            _issue_page(desc, k_bufs, v_bufs, bars, i, ttgl.load(page_ptr + i), head_col, PAGE_SIZE, HEAD_DIM)
+    return k_bufs, v_bufs, bars, page_ptr, n_pages, last_len
+
+
+@gluon.jit
 def tma_decode(q_ptr, desc, kv_indices_ptr, kv_indptr_ptr, kv_last_ptr, o_ptr, lse_ptr,
                stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, qk_scale,
                GROUP: ttgl.constexpr, PAGE_SIZE: ttgl.constexpr, HEAD_DIM: ttgl.constexpr,
@@ -130,22 +153,9 @@ def tma_decode(q_ptr, desc, kv_indices_ptr, kv_indptr_ptr, kv_last_ptr, o_ptr, l
     a_l: ttgl.constexpr = ttgl.DotOperandLayout(operand_index=0, parent=mma_l, k_width=2)
     b_l: ttgl.constexpr = ttgl.DotOperandLayout(operand_index=1, parent=mma_l, k_width=2)
     ld: ttgl.constexpr = ttgl.BlockedLayout([1, 8], [2, 16], [1, 1], [1, 0])
-    sl: ttgl.constexpr = ttgl.NVMMASharedLayout.get_default_for([PAGE_SIZE, HEAD_DIM], ttgl.bfloat16)
-    k_bufs = ttgl.allocate_shared_memory(ttgl.bfloat16, [STAGES, PAGE_SIZE, HEAD_DIM], sl)
-    v_bufs = ttgl.allocate_shared_memory(ttgl.bfloat16, [STAGES, PAGE_SIZE, HEAD_DIM], sl)
-    bars = ttgl.allocate_shared_memory(ttgl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in ttgl.static_range(STAGES):
-        mbarrier.init(bars.index(i), count=1)
-    fence_async_shared()
-
-    kv_start = ttgl.load(kv_indptr_ptr + request)
-    n_pages = ttgl.load(kv_indptr_ptr + request + 1) - kv_start
-    last_len = ttgl.load(kv_last_ptr + request)
-    page_ptr = kv_indices_ptr + kv_start
     head_col = head * HEAD_DIM
-    for i in ttgl.static_range(STAGES):
-        if i < n_pages:
-            _issue_page(desc, k_bufs, v_bufs, bars, i, ttgl.load(page_ptr + i), head_col, PAGE_SIZE, HEAD_DIM)
+    k_bufs, v_bufs, bars, page_ptr, n_pages, last_len = _request_ring(
+        desc, kv_indices_ptr, kv_indptr_ptr, kv_last_ptr, request, head_col, PAGE_SIZE, HEAD_DIM, STAGES)
 
     rows = ttgl.arange(0, 16, layout=ttgl.SliceLayout(1, ld))
     cols = ttgl.arange(0, HEAD_DIM, layout=ttgl.SliceLayout(0, ld))
@@ -211,22 +221,9 @@ def tma_decode_t(q_ptr, desc, kv_indices_ptr, kv_indptr_ptr, kv_last_ptr, o_ptr,
     a_l: ttgl.constexpr = ttgl.DotOperandLayout(operand_index=0, parent=mma_l, k_width=2)
     b_l: ttgl.constexpr = ttgl.DotOperandLayout(operand_index=1, parent=mma_l, k_width=2)
     ld: ttgl.constexpr = ttgl.BlockedLayout([8, 1], [16, 2], [1, 1], [0, 1])
-    sl: ttgl.constexpr = ttgl.NVMMASharedLayout.get_default_for([PAGE_SIZE, HEAD_DIM], ttgl.bfloat16)
-    k_bufs = ttgl.allocate_shared_memory(ttgl.bfloat16, [STAGES, PAGE_SIZE, HEAD_DIM], sl)
-    v_bufs = ttgl.allocate_shared_memory(ttgl.bfloat16, [STAGES, PAGE_SIZE, HEAD_DIM], sl)
-    bars = ttgl.allocate_shared_memory(ttgl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in ttgl.static_range(STAGES):
-        mbarrier.init(bars.index(i), count=1)
-    fence_async_shared()
-
-    kv_start = ttgl.load(kv_indptr_ptr + request)
-    n_pages = ttgl.load(kv_indptr_ptr + request + 1) - kv_start
-    last_len = ttgl.load(kv_last_ptr + request)
-    page_ptr = kv_indices_ptr + kv_start
     head_col = head * HEAD_DIM
-    for i in ttgl.static_range(STAGES):
-        if i < n_pages:
-            _issue_page(desc, k_bufs, v_bufs, bars, i, ttgl.load(page_ptr + i), head_col, PAGE_SIZE, HEAD_DIM)
+    k_bufs, v_bufs, bars, page_ptr, n_pages, last_len = _request_ring(
+        desc, kv_indices_ptr, kv_indptr_ptr, kv_last_ptr, request, head_col, PAGE_SIZE, HEAD_DIM, STAGES)
 
     # Qᵀ: [HEAD_DIM, 8], column n the query head head * GROUP + n (zeros past GROUP).
     dq = ttgl.arange(0, HEAD_DIM, layout=ttgl.SliceLayout(1, ld))
@@ -270,13 +267,26 @@ def tma_decode_t(q_ptr, desc, kv_indices_ptr, kv_indptr_ptr, kv_last_ptr, o_ptr,
     ttgl.store(lse_ptr + request.to(ttgl.int64) * stride_lt + head * GROUP + n, lse, mask=n < GROUP)
 
 
+def page_descriptors(wl, pools=None, hnd: bool = False) -> list:
+    """A TMA descriptor of ``[PAGE, head_dim]`` bf16 boxes per rotation's pool: NHD pools
+    (the workload's, ``[pages, 2, PAGE, Hkv, D]``) as rows of ``Hkv * D`` elements, HND
+    ones (``[pages, 2, Hkv, PAGE, D]``, with ``hnd``) as rows of ``D``."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: PLC0415
+
+    s = wl.shape
+    layout = ttgl.NVMMASharedLayout.get_default_for([PAGE, s.head_dim], ttgl.bfloat16)
+    descs = []
+    for pool in pools if pools is not None else wl.pools:
+        rows = pool.view(-1, s.head_dim if hnd else s.hkv * s.head_dim)
+        descs.append(TensorDescriptor(rows, list(rows.shape), [rows.shape[1], 1], [PAGE, s.head_dim], layout))
+    return descs
+
+
 class Reader:
     """The decode level's pages of one workload, read by ``tma_reader`` (one rotation's
     pool each call)."""
 
     def __init__(self, wl, stages: int, programs: int | None):
-        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: PLC0415
-
         s = wl.shape
         self.stages = stages
         self.items = s.batch * s.hkv
@@ -284,11 +294,7 @@ class Reader:
         self.pages_per_request = s.suffix_pages
         self.hkv = s.hkv
         self.pages = wl.kv_indices[1]
-        layout = ttgl.NVMMASharedLayout.get_default_for([PAGE, s.head_dim], ttgl.bfloat16)
-        self.descs = []
-        for pool in wl.pools:
-            rows = pool.view(-1, s.hkv * s.head_dim)
-            self.descs.append(TensorDescriptor(rows, list(rows.shape), [rows.shape[1], 1], [PAGE, s.head_dim], layout))
+        self.descs = page_descriptors(wl)
         self.head_dim = s.head_dim
 
     def call(self, i: int):
