@@ -1,7 +1,7 @@
 """Could a decode level fed by TMA bulk copies read HBM at full speed on fewer SMs?
 
     python -m benchmarks.tools.probe_tma_read [--shapes B,P,S ...] [--stages 2 4 8] [--sms 32 64 ...]
-        [--beside-sms 68 ...] [--plan-splits] [--json PATH]
+        [--beside-sms 68 ...] [--plan-splits] [--transposed] [--json PATH]
 
 Beside the prefix level the decode level draws 36-40 GB/s per SM from HBM on the SMs the
 prefix leaves it (benchmarks/NOTES.md, "Cascade" v9), so the two levels together take
@@ -24,7 +24,8 @@ CUDA-graph times over pools rotated past L2:
   for the decode level;
 * ``tma_decode``, a prototype decode kernel fed the same way (one warp per (request, kv
   head), mma.sync on 16 rows, no KV splits), checked against ``batch_decode_paged``, alone
-  and beside the prefix level.
+  and beside the prefix level; with ``--transposed`` also ``tma_decode_t``, the same with
+  the keys on the M side of the products and the query group on an 8-wide N side.
 
 If the prefix level plus the reader takes about the decode level's time alone, a decode
 kernel fed this way is worth building; if it takes the cascade's, it is not. Compute
