@@ -159,9 +159,10 @@ def predict_seconds(
     after the first add a merge; a decode level that runs beside the prefill level above
     it (:func:`overlaps`) saves ``overlap_gain`` of the shorter of the two
     (``overlap_gain_narrow`` beside 16- and 32-row prefill tiles,
-    :func:`narrow_prefill_tiles`). Flat runs the last level's kernel over every key of every level: keys of an upper level are re-read once per request,
-    mostly from L2 (``l2_miss_small`` of them still miss where the level fits there,
-    ``l2_miss_large`` where it does not), and every key read takes at least its bytes over
+    :func:`narrow_prefill_tiles`). Flat runs the last level's kernel over every key of
+    every level: keys of an upper level are re-read once per request, mostly from L2
+    (``l2_miss_small`` of them still miss where the level fits there, ``l2_miss_large``
+    where it does not), and every key read takes at least its bytes over
     ``l2_read_bandwidth``.
     ``per_level``, if given, receives each cascade level's predicted seconds.
     """

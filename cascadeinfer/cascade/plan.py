@@ -375,9 +375,10 @@ def prefix_splits_beside_decode(
     within 4.5% of each other; benchmarks/NOTES.md, "Cascade" v12). (2) The decode level's
     programs are one wave of whole SMs
     (:func:`~cascadeinfer.kernels.policy.whole_sm_decode_programs`: per-request plans of
-    few requests) that would not all find an SM beside the share's grid. The GPU gives each of the prefill level's programs an SM of its own first, so a
-    decode program left over starts only when a prefill program ends, and the decode
-    level, each of whose programs runs for the whole level, ends that much later. At
+    few requests) that would not all find an SM beside the share's grid. The GPU gives each
+    of the prefill level's programs an SM of its own first, so a decode program left over
+    starts only when a prefill program ends, and the decode level, each of whose programs
+    runs for the whole level, ends that much later. At
     (16, 8192, 16384) on an H200 (the share's grid: 16 prefill programs beside 128 decode
     programs) the cascade took 319-320 µs, with the whole prefill grid first 261
     (benchmarks/NOTES.md, "Cascade" v11).
