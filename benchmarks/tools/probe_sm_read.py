@@ -19,7 +19,12 @@ like the reader. Last, ``page_major``, a first sketch of a decode level built th
 a 32 KiB V load, batched ``tl.dot`` over the heads; the programs take contiguous ranges of
 the flat page list, across requests, and write one state per (program, request) piece,
 merged here in float64 for the check only), alone on 132 and 68 programs and beside the
-prefix level. GPU only.
+prefix level. And ``request_major``, a second sketch: one program per request (8 warps),
+its query heads loaded once, then each of its pages with all kv heads a step, K loaded
+straight into the batched product's ``[Hkv, D, page]`` order (no permute), the K/V ring
+as deep as ``tl.range``'s stages give it; one program per request, and 68 persistent
+programs walking the requests; alone and beside the prefix level, for each of
+``REQUEST_MAJOR``'s (stages, warps). GPU only.
 """
 
 from __future__ import annotations
@@ -36,6 +41,10 @@ ENGINE_SHAPES = ("256,4096,144", "256,4096,256", "256,4096,384")
 SMS = (8, 33, 66, 132)
 CHUNKS = (4096, 16384)
 BESIDE = 68  # the SMs the prefix level's one-split grid (64 programs) leaves on 132
+# (stages, warps) of request_major: Triton 3.6 gives its K/V ring 1 page at 3 stages, 2 at 5,
+# 3 at 8 (64 KiB a page at Hkv 8, D 128; 96 / 160 / 224 KiB of shared memory; 164-170
+# registers, one program an SM).
+REQUEST_MAJOR = ((3, 8), (5, 8), (8, 8))
 
 
 @triton.jit
@@ -98,6 +107,98 @@ def page_major(q_ptr, pool_ptr, entry_req_ptr, kv_indices_ptr, kv_indptr_ptr, kv
             tl.store(po_ptr + slot * stride_ob + qrow[:, :, None] * stride_oh + d[None, None, :],
                      acc / l_i[:, :, None], mask=row_ok[:, :, None])
             tl.store(plse_ptr + slot * stride_lb + qrow, m_i + tl.log2(l_i), mask=row_ok)
+
+
+@triton.jit
+def request_major(q_ptr, pool_ptr, kv_indices_ptr, kv_indptr_ptr, kv_last_ptr, o_ptr, lse_ptr, batch,
+                  stride_qb, stride_qh, stride_pp, stride_pkv, stride_pt, stride_ph,
+                  stride_ob, stride_oh, stride_lb, qk_scale,
+                  HKV: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, D: tl.constexpr,
+                  STAGES: tl.constexpr):
+    """Program ``p`` takes requests ``p, p + programs, ..`` (one each when the grid is the
+    batch): per request its query heads once, then each of its pages with all kv heads a
+    step (a 32 KiB K and a 32 KiB V load at Hkv 8, D 128), K loaded straight into the
+    batched product's ``[Hkv, D, PAGE]`` order and V into ``[Hkv, PAGE, D]`` (no permute).
+    Writes each request's ``(o, natural-log lse)``."""
+    for r in range(tl.program_id(0), batch, tl.num_programs(0)):
+        _request_major_row(q_ptr, pool_ptr, kv_indices_ptr, kv_indptr_ptr, kv_last_ptr, o_ptr, lse_ptr, r,
+                           stride_qb, stride_qh, stride_pp, stride_pkv, stride_pt, stride_ph,
+                           stride_ob, stride_oh, stride_lb, qk_scale, HKV, GROUP, PAGE_SIZE, D, STAGES)
+
+
+@triton.jit
+def _request_major_row(q_ptr, pool_ptr, kv_indices_ptr, kv_indptr_ptr, kv_last_ptr, o_ptr, lse_ptr, r,
+                       stride_qb, stride_qh, stride_pp, stride_pkv, stride_pt, stride_ph,
+                       stride_ob, stride_oh, stride_lb, qk_scale,
+                       HKV: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, D: tl.constexpr,
+                       STAGES: tl.constexpr):
+    """Request ``r`` of :func:`request_major`."""
+    r64 = tl.full([], 0, tl.int64) + r  # a tensor in every mode (the interpreter's loop gives an int)
+    h = tl.arange(0, HKV)
+    g = tl.arange(0, 16)
+    n = tl.arange(0, PAGE_SIZE)
+    d = tl.arange(0, D)
+    qrow = h[:, None] * GROUP + g[None, :]  # [HKV, 16]: rows past GROUP are padding
+    row_ok = (g < GROUP)[None, :] & (h >= 0)[:, None]
+    q = tl.load(q_ptr + r64 * stride_qb + qrow[:, :, None] * stride_qh + d[None, None, :],
+                mask=row_ok[:, :, None], other=0.0)  # [HKV, 16, D]
+    kt_off = h[:, None, None] * stride_ph + d[None, :, None] + n[None, None, :] * stride_pt  # [HKV, D, PAGE]
+    v_off = h[:, None, None] * stride_ph + n[None, :, None] * stride_pt + d[None, None, :]  # [HKV, PAGE, D]
+    first = tl.load(kv_indptr_ptr + r)
+    n_pages = tl.load(kv_indptr_ptr + r + 1) - first
+    last_len = tl.load(kv_last_ptr + r)
+    m_i = tl.full([HKV, 16], float("-inf"), tl.float32)
+    l_i = tl.zeros([HKV, 16], tl.float32)
+    acc = tl.zeros([HKV, 16, D], tl.float32)
+    for j in tl.range(0, n_pages, num_stages=STAGES):
+        page = tl.load(kv_indices_ptr + first + j).to(tl.int64)
+        kt = tl.load(pool_ptr + page * stride_pp + kt_off)
+        v = tl.load(pool_ptr + page * stride_pp + stride_pkv + v_off)
+        valid = tl.where(j == n_pages - 1, last_len, PAGE_SIZE)
+        s = tl.dot(q, kt)  # [HKV, 16, PAGE]
+        s = tl.where((n < valid)[None, None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=2))
+        p = tl.exp2(s - m_new[:, :, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=2)
+        acc = acc * alpha[:, :, None] + tl.dot(p.to(q.dtype), v)
+        m_i = m_new
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    tl.store(o_ptr + r64 * stride_ob + qrow[:, :, None] * stride_oh + d[None, None, :],
+             (acc / l_safe[:, :, None]).to(o_ptr.dtype.element_ty), mask=row_ok[:, :, None])
+    tl.store(lse_ptr + r64 * stride_lb + qrow,
+             tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453), mask=row_ok)
+
+
+class RequestMajor:
+    """``request_major`` over one workload's decode level (one program per request)."""
+
+    def __init__(self, wl, stages: int = 3, warps: int = 8, programs: int | None = None):
+        s = wl.shape
+        if s.hkv & (s.hkv - 1) or s.hq // s.hkv > 16:
+            raise SystemExit("probe_sm_read: request_major needs a power-of-two Hkv and groups of <= 16")
+        self.wl, self.stages, self.warps = wl, stages, warps
+        self.programs = programs or s.batch  # fewer: persistent programs over the requests
+        self.outs, self.lses = wl.out_buffers()
+        self.qk_scale = s.head_dim ** -0.5 * 1.4426950408889634
+
+    def call(self, i: int):
+        wl, s = self.wl, self.wl.shape
+        pool, q, o, lse = wl.pools[i], wl.qs[i], self.outs[i], self.lses[i]
+
+        def run():
+            request_major[(self.programs,)](
+                q, pool, wl.kv_indices[1], wl.kv_indptr[1], wl.kv_last[1], o, lse, s.batch, q.stride(0), q.stride(1),
+                pool.stride(0), pool.stride(1), pool.stride(2), pool.stride(3), o.stride(0), o.stride(1),
+                lse.stride(0), self.qk_scale, s.hkv, s.hq // s.hkv, PAGE, s.head_dim, self.stages,
+                num_warps=self.warps)
+        return run
+
+    def max_error(self, o_ref: torch.Tensor) -> float:
+        """Max |o - o_ref| on rotation 0, the output poisoned first."""
+        self.outs[0].fill_(float("nan"))
+        self.call(0)()
+        return (self.outs[0].float() - o_ref.float()).abs().nan_to_num(float("inf")).max().item()
 
 
 class PageMajor:
@@ -194,6 +295,14 @@ def main() -> None:
             row[f"page_major on {n} us"] = timer(calls) * 1e6
             if n == BESIDE:
                 row[f"prefix + page_major on {n} us"] = timer(beside(prefix, calls)) * 1e6
+        for stages, warps in REQUEST_MAJOR:
+            for programs in (None, BESIDE):
+                rm = RequestMajor(wl, stages, warps, programs)
+                name = f"request_major s{stages} w{warps}" + (f" on {programs}" if programs else "")
+                row[f"{name} max err"] = rm.max_error(o_ref)
+                calls = [rm.call(i) for i in range(wl.rot)]
+                row[f"{name} us"] = timer(calls) * 1e6
+                row[f"prefix + {name} us"] = timer(beside(prefix, calls)) * 1e6
         rows.append(row)
         print(markdown_table([row], list(row)), flush=True)
     write_json(args.json, {"environment": environment(), "copy_bytes_per_s": copy_bw, "per_sm": per_sm,
