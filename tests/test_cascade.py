@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from cascadeinfer.cascade.multi_level import MultiLevelCascadeAttention
 from cascadeinfer.kernels import paged_num_splits
-from cascadeinfer.kernels.policy import CONCURRENT_MAX_KEYS
+from cascadeinfer.kernels.policy import CONCURRENT_MAX_KEYS, all_heads_beside
 from cascadeinfer.kernels.reference import attention_state_ref
 from cascadeinfer.layouts.paged_cache import page_tokens, unpack_paged_kv_cache
 
@@ -199,15 +199,15 @@ def test_cuda_graph_replay_after_tables_change():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch,hkv,suffix_pages", [(64, 8, 16), (16, 8, 16), (64, 32, 16), (16, 8, 1024),
-                                                     (256, 8, 16), (256, 8, 40)])
+                                                     (256, 8, 16), (256, 8, 40), (160, 8, 9)])
 def test_decode_level_beside_the_prefix_level(batch, hkv, suffix_pages):
     # Shared-prefix batch decode: the decode level runs on a side stream while the prefix
     # level, with fewer KV splits than fill the GPU, runs on the caller's stream; its tiles
     # are 128 rows (64 x 4 packed rows per kv head) or 64 (16 x 4, 64 x 1: two per SM).
     # 16 requests: one wave of whole-SM decode programs, so the prefix level takes its
     # whole grid (prefix_splits_beside_decode), over 256 and over 16K own tokens. Rows of
-    # at most 512 own tokens take the "concurrent" schedule (256 requests: its clamped
-    # tiles), longer ones keep theirs.
+    # at most 512 own tokens take the "concurrent" schedule, or "all_heads" where its
+    # programs cover the SMs (160 and 256 requests at Hkv 8), longer ones keep theirs.
     dev = torch.device("cuda")
     prefix_pages, page_size, hq, d = 512, 16, 32, 128
     num_pages = prefix_pages + batch * suffix_pages
@@ -223,7 +223,11 @@ def test_decode_level_beside_the_prefix_level(batch, hkv, suffix_pages):
     attn = MultiLevelCascadeAttention(2, device=dev)
     attn.plan(*tables, hq, hkv, d, page_size, use_cascade=True)
     assert attn._overlap and attn._levels[0].num_splits is not None
-    assert (attn._levels[1].schedule == "concurrent") == (suffix_pages * page_size <= CONCURRENT_MAX_KEYS)
+    short = suffix_pages * page_size <= CONCURRENT_MAX_KEYS
+    wide = all_heads_beside(batch, hkv, hq // hkv, d, torch.bfloat16, dev)
+    assert wide == (batch >= 160 and hkv == 8)
+    assert attn._levels[1].schedule == ("all_heads" if wide else "concurrent") if short else (
+        attn._levels[1].schedule not in ("all_heads", "concurrent"))
     if batch * hkv <= 128:
         assert attn._levels[0].num_splits == paged_num_splits(batch, 1, hq, hkv, d, torch.bfloat16,
                                                               prefix_pages * page_size, dev)

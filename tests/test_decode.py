@@ -425,9 +425,74 @@ def test_concurrent_schedule(device, num_splits):
                   num_splits=num_splits, schedule="concurrent", seed=6)
 
 
+# ----------------------------------------------------------------- the "all_heads" schedule
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_all_heads_matches_reference(device, dtype, layout, num_splits):
+    """schedule="all_heads": empty row, one key, a full last page, several pages; one
+    split and three (some empty, states merged by merge_states' kernel)."""
+    run_and_check(device, lens=EDGE_LENS, dtype=dtype, layout=layout, hq=8, hkv=2, seed=21,
+                  schedule="all_heads", num_splits=num_splits)
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 16, 64])
+def test_all_heads_page_sizes(device, page_size):
+    """Pages smaller than a 16-key tile (one page index per key) and pages of several tiles."""
+    lens = [0, 1, page_size, 2 * page_size + 5, 90]
+    run_and_check(device, lens=lens, page_size=page_size, num_splits=2, hq=4, hkv=2, schedule="all_heads",
+                  layout="HND" if page_size == 64 else "NHD", seed=30 + page_size)
+
+
+@pytest.mark.parametrize("hkv,group,head_dim", [
+    (3, 1, 64), (3, 3, 96), (3, 7, 64), (2, 16, 128), (8, 4, 128), (32, 1, 128), (4, 4, 256), (1, 8, 40),
+])
+def test_all_heads_heads_groups_and_dims(device, hkv, group, head_dim):
+    """Head blocks that do not divide the kv heads (3 of 4), padded groups and head_dims,
+    several head blocks (32 kv heads), one kv head; Llama-3-8B's (8, 4, 128) is the one
+    8-warp, register-capped program."""
+    run_and_check(device, lens=[1, 40, 17], hq=hkv * group, hkv=hkv, head_dim=head_dim, dtype=torch.bfloat16,
+                  schedule="all_heads", num_splits=None, seed=hkv * 100 + group * 10 + head_dim)
+
+
+def test_all_heads_noncontiguous_q_out_lse(device):
+    q, cache, indptr, indices, last = make_case(device, lens=[7, 0, 50], hq=8, hkv=2, seed=22)
+    q_nc = torch.randn(q.shape[1], q.shape[0], q.shape[2] + 8, device=device, dtype=q.dtype)
+    q_nc = q_nc[..., :q.shape[2]].transpose(0, 1)
+    q_nc.copy_(q)
+    out_big = torch.full((q.shape[0], q.shape[1], q.shape[2] + 4), float("nan"), device=device, dtype=q.dtype)
+    out, lse = out_big[..., :q.shape[2]], torch.full((q.shape[1], q.shape[0]), float("nan"), device=device).t()
+    for splits in (1, 3):
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        o, s = batch_decode_paged(q_nc, cache, indptr, indices, last, schedule="all_heads", num_splits=splits,
+                                  out=out, lse=lse)
+        assert o is out and s is lse
+        check_against_reference(q, cache, indptr, indices, last, o, s)
+        assert torch.isnan(out_big[..., q.shape[2]:]).all(), "padding past head_dim must stay untouched"
+
+
+def test_all_heads_config():
+    """The "all_heads" programs from shapes: every kv head of Llama-3-8B's layer in one
+    8-warp program capped at 128 registers; fewer heads where the accumulator or the K
+    tile would grow; splits only when the programs do not cover the SMs."""
+    cfg = policy.all_heads_config
+    assert cfg(8, 4, 128, torch.bfloat16) == policy.AllHeadsConfig(8, 16, 8, 3, 128)
+    assert cfg(32, 1, 128, torch.bfloat16).heads == 8
+    assert cfg(2, 16, 128, torch.bfloat16) == policy.AllHeadsConfig(2, 16, 2, 3, None)
+    assert cfg(8, 4, 128, torch.float32).heads == 4 and cfg(8, 4, 256, torch.float16).heads == 4
+    assert cfg(3, 3, 96, torch.bfloat16).heads == 4  # a block of 4 over 3 heads, one masked
+    splits = policy.all_heads_num_splits
+    assert splits(256, 8, 4, 128, torch.bfloat16, "cpu") == 1
+    assert splits(16, 8, 4, 128, torch.bfloat16, "cpu") == 132 // 16
+    assert splits(1, 32, 1, 128, torch.bfloat16, "cpu") == 132 // 4
+
+
 def test_decode_schedule_beside_prefill():
-    """Short rows beside a prefill level take "concurrent"; long rows, and every other
-    schedule, stay as they are."""
+    """Short rows beside a prefill level take "concurrent", or "all_heads" at the measured
+    shapes; long rows, and every other schedule, stay as they are."""
     beside = policy.decode_schedule_beside_prefill
     short, long = [1, 300, CONCURRENT_MAX_KEYS], [1, CONCURRENT_MAX_KEYS + 1]
     assert beside("per_request", short) == beside("per_request", np.array(short)) == "concurrent"
@@ -435,6 +500,14 @@ def test_decode_schedule_beside_prefill():
     assert beside("per_request", long) == "per_request"
     assert beside("balanced", short) == "balanced" and beside("shared_pages", short) == "shared_pages"
     assert beside("per_request", []) == "per_request"
+    # Shapes given: Llama-3-8B's kv heads over enough rows to cover the SMs take "all_heads".
+    llama = dict(num_kv_heads=8, group=4, head_dim=128, dtype=torch.bfloat16, device="cpu")
+    assert beside("per_request", [300] * 132, **llama) == "all_heads"
+    assert beside("per_request", [300] * 64, **llama) == "concurrent"  # it would need 2 splits
+    assert beside("per_request", [CONCURRENT_MAX_KEYS + 1] * 256, **llama) == "per_request"
+    assert beside("per_request", [300] * 256, **{**llama, "head_dim": 64}) == "concurrent"  # not measured
+    assert beside("per_request", [300] * 256, **{**llama, "dtype": torch.float32}) == "concurrent"
+    assert beside("balanced", [300] * 256, **llama) == "balanced"
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])
@@ -570,7 +643,8 @@ def test_realistic_long_context_int64_offsets():
 
 
 @pytest.mark.gpu
-def test_cuda_graph_capture_and_replay_with_new_page_table():
+@pytest.mark.parametrize("schedule", [None, "all_heads"])
+def test_cuda_graph_capture_and_replay_with_new_page_table(schedule):
     device = torch.device("cuda")
     lens = [300, 0, 1, 1024, 77, 16, 500, 2048]
     q, cache, indptr, indices, last = make_case(device, lens=lens, hq=32, hkv=8, head_dim=128,
@@ -579,11 +653,11 @@ def test_cuda_graph_capture_and_replay_with_new_page_table():
     idx_buf = torch.zeros(capacity, device=device, dtype=torch.int32)
     idx_buf[: indices.numel()] = indices
     out, lse = poisoned(q)
-    batch_decode_paged(q, cache, indptr, idx_buf, last, out=out, lse=lse)  # compile outside the graph
+    batch_decode_paged(q, cache, indptr, idx_buf, last, out=out, lse=lse, schedule=schedule)  # compile first
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        batch_decode_paged(q, cache, indptr, idx_buf, last, out=out, lse=lse)
+        batch_decode_paged(q, cache, indptr, idx_buf, last, out=out, lse=lse, schedule=schedule)
     out.fill_(float("nan"))
     lse.fill_(float("nan"))
     graph.replay()

@@ -132,7 +132,7 @@ def path(request, monkeypatch):
 
 
 @FUZZ
-@given(case=tables(), schedule=st.sampled_from(["per_request", "balanced"]))
+@given(case=tables(), schedule=st.sampled_from(["per_request", "balanced", "all_heads"]))
 def test_decode(device, path, case, schedule):
     q, cache, indptr, indices, last, bad, _ = build(case, device)
     if bad:

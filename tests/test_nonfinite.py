@@ -137,7 +137,9 @@ SCHEDULES = pytest.mark.parametrize("schedule,num_splits", [
     ("per_request", 1),
     ("per_request", 3),  # split states merged by merge_states' kernel, some splits empty
     ("balanced", 9),  # one page per program: every request of 2+ pages goes through stage 2
-], ids=["one-split", "splits", "balanced"])
+    ("all_heads", 1),
+    ("all_heads", 3),  # the last key re-read past the end, split states merged
+], ids=["one-split", "splits", "balanced", "all-heads", "all-heads-splits"])
 
 
 def decode_case(bad, dtype, device, seed=0, d=16):

@@ -441,7 +441,9 @@ class MultiLevelCascadeAttention:
                 self._levels[-1].schedule, prefix_share, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                 head_dim=head_dim, page_size=page_size, dtype=dtype, device=self.device)
             # Beside the prefill level, short rows take the tiles made for sharing SMs.
-            self._levels[-1].schedule = decode_schedule_beside_prefill(self._levels[-1].schedule, levels[-1].keys)
+            self._levels[-1].schedule = decode_schedule_beside_prefill(
+                self._levels[-1].schedule, levels[-1].keys, num_kv_heads=num_kv_heads,
+                group=num_qo_heads // num_kv_heads, head_dim=head_dim, dtype=dtype, device=self.device)
         self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size = num_qo_heads, num_kv_heads, head_dim, page_size
         self.num_tokens = int(levels[0].qo_indptr[-1])
         self.causal = bool(causal)

@@ -24,6 +24,13 @@ schedules of the same math.
   tile inside the key loop (rows past the end read the row's last key, their scores
   masked), so more of them fit the SMs the other kernel leaves. Nothing picks it from
   shapes; :func:`policy.decode_schedule_beside_prefill` picks it from lengths.
+- **all_heads** (:mod:`cascadeinfer.kernels.decode_heads`): one program per (request,
+  block of kv heads, split) reads a 16-key tile of all its heads at once (32 KiB of K and
+  of V a step at Llama-3-8B's shapes) with the products transposed (keys on M, the query
+  group on N), two 8-warp programs an SM. Beside a compute-bound kernel on another stream
+  it reads the rows as fast as a plain streaming copy does; alone it runs at the copy
+  floor like the per-request schedule. Nothing picks it from shapes;
+  :func:`policy.decode_schedule_beside_prefill` picks it where it was measured faster.
 
 :func:`batch_decode_paged` takes ``schedule=``; by default :func:`pick_decode_schedule`
 chooses from shapes (the per-request plan's wave tail), and a caller that knows the lengths
@@ -56,6 +63,7 @@ from cascadeinfer._device import capturing, next_power_of_2, use_triton
 from cascadeinfer.kernels import decode_balanced as balanced
 from cascadeinfer.kernels import merge_many, policy
 from cascadeinfer.kernels.constants import LOG2E
+from cascadeinfer.kernels.decode_heads import all_heads_kernel
 from cascadeinfer.kernels.decode_kernel import decode_kernel
 from cascadeinfer.kernels.launch import (
     LaunchCache,
@@ -124,7 +132,7 @@ def batch_decode_paged(
         kv_layout: ``"NHD"`` or ``"HND"``.
         sm_scale: softmax scale, default ``head_dim ** -0.5``.
         num_splits: with ``schedule="per_request"``, ``"shared_pages"`` or ``"concurrent"``, KV splits per
-            (request, kv head),
+            (request, kv head), with ``"all_heads"`` per (request, head block),
             1..256: each reads ``cdiv(num_pages, num_splits)`` consecutive pages of its
             request and the last split to finish merges them (a merge kernel, past a
             few bytes of states per program). With ``"balanced"``,
@@ -137,7 +145,8 @@ def batch_decode_paged(
             programs with tiles for page lists that share most of their pages, e.g. a
             common prefix: see the module docstring), ``"concurrent"`` (per-request
             programs with tiles for short rows decoded beside another stream's
-            compute-bound kernel), or None: :func:`pick_decode_schedule`
+            compute-bound kernel), ``"all_heads"`` (one program reads a key tile of
+            several kv heads: see the module docstring), or None: :func:`pick_decode_schedule`
             from shapes (it never reads lengths here; pass ``schedule`` from
             ``pick_decode_schedule(..., seq_lens=...)`` when lengths vary and are known
             on the host), or ``"per_request"`` when ``num_splits`` is given. The answer
@@ -251,6 +260,8 @@ def decode_with_config(
             pass
         elif schedule == "balanced":
             _launch_balanced(q, kv, kv_indptr, kv_indices, kv_last_page_len, out, lse, scale, num_splits, config)
+        elif schedule == "all_heads":
+            _launch_all_heads(q, kv, kv_indptr, kv_indices, kv_last_page_len, out, lse, scale, num_splits)
         else:
             _launch_per_request(q, kv, kv_indptr, kv_indices, kv_last_page_len, out, lse, scale, num_splits, config,
                                 shared_pages=schedule == "shared_pages", concurrent=schedule == "concurrent")
@@ -272,6 +283,38 @@ def _launch_balanced(q, kv: PagedKV, kv_indptr, kv_indices, kv_last_page_len, ou
         q, kv, kv_indptr, kv_indices, kv_last_page_len, out, lse, qk_scale=scale * LOG2E, programs=programs,
         min_pages=min_pages, block_n=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         pdl=cfg.pdl and balanced.has_pdl(device))
+
+
+def _launch_all_heads(q, kv: PagedKV, kv_indptr, kv_indices, kv_last_page_len, out, lse, scale: float,
+                      num_splits: int | None) -> None:
+    """The "all_heads" schedule (:mod:`cascadeinfer.kernels.decode_heads`), checked inputs;
+    with splits, merge_states' kernel after it."""
+    batch, num_qo_heads, head_dim = q.shape
+    group = num_qo_heads // kv.num_kv_heads
+    cfg = policy.all_heads_config(kv.num_kv_heads, group, head_dim, q.dtype)
+    if num_splits is None:
+        num_splits = policy.all_heads_num_splits(batch, kv.num_kv_heads, group, head_dim, q.dtype, q.device)
+    blocks = triton.cdiv(kv.num_kv_heads, cfg.heads)
+    if num_splits > 1:
+        part_o = scratch((batch, num_splits, num_qo_heads, head_dim), torch.float32, q.device)
+        part_lse = scratch((batch, num_splits, num_qo_heads), torch.float32, q.device)
+        dst = (part_o, part_lse, *part_o.stride()[:3], *part_lse.stride())
+    else:
+        dst = (out, lse, out.stride(0), 0, out.stride(1), lse.stride(0), 0, lse.stride(1))
+    o_dst, lse_dst, *dst_strides = dst
+    launch(
+        all_heads_kernel, (batch * blocks * num_splits,),
+        q, kv.k, kv.v, kv_indptr, kv_indices, kv_last_page_len, o_dst, lse_dst,
+        scale * LOG2E, kv.num_kv_heads, blocks, num_splits,
+        q.stride(0), q.stride(1), kv.stride_page, kv.stride_token, kv.stride_head, *dst_strides,
+        GROUP=group, BLOCK_G=next_power_of_2(group), HEADS=cfg.heads, PAD_HEADS=kv.num_kv_heads % cfg.heads != 0,
+        HEAD_DIM=head_dim, BLOCK_D=max(16, next_power_of_2(head_dim)), PAGE_SIZE=kv.page_size,
+        BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
+    )
+    if num_splits > 1:
+        merge_many.merge_states_unchecked(part_o, part_lse, out, lse)  # inputs checked here already
 
 
 def _launch_per_request(q, kv: PagedKV, kv_indptr, kv_indices, kv_last_page_len, out, lse, scale: float,

@@ -419,6 +419,55 @@ def decode_num_splits(batch: int, num_kv_heads: int, device: torch.device | str,
     return max(1, min(MAX_SPLITS, num_sms * programs_per_sm // work))
 
 
+# The "all_heads" schedule's programs (kernels/decode_heads.py): at most ALL_HEADS_ACC
+# accumulator floats and ALL_HEADS_TILE_BYTES of K a step. At Hkv 8, group 4, head_dim 128,
+# bf16 that is every kv head in one program of 8 warps, 16-key tiles, 3 stages (a K/V ring
+# one tile deep), registers held to 128 (124 used, no spills on sm_90a), so two programs
+# share an SM: the H200 probe's best (benchmarks/NOTES.md, "Cascade" v16).
+ALL_HEADS_ACC = 4096
+ALL_HEADS_TILE_BYTES = 32768
+
+
+@dataclass(frozen=True)
+class AllHeadsConfig:
+    """Launch parameters of the "all_heads" decode kernel: kv heads per program, keys per
+    tile, warps, pipeline stages and the register cap (None: the compiler's choice)."""
+
+    heads: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    maxnreg: int | None
+
+
+def all_heads_config(num_kv_heads: int, group: int, head_dim: int, dtype: torch.dtype) -> AllHeadsConfig:
+    """The "all_heads" programs for these shapes: as many kv heads (a power of two) as fit
+    :data:`ALL_HEADS_ACC` accumulator floats and :data:`ALL_HEADS_TILE_BYTES` of 16 keys,
+    one warp per head up to 8; 8-warp programs capped at 128 registers (two an SM)."""
+    block_g = next_power_of_2(group)
+    block_d = max(16, next_power_of_2(head_dim))
+    elem = torch.empty((), dtype=dtype).element_size()
+    heads = min(next_power_of_2(num_kv_heads), max(1, ALL_HEADS_ACC // (block_d * block_g)),
+                max(1, ALL_HEADS_TILE_BYTES // (16 * block_d * elem)))
+    warps = min(8, heads)
+    return AllHeadsConfig(heads, 16, warps, 3, 128 if warps == 8 else None)
+
+
+# (num_kv_heads, group, head_dim) of the one "all_heads" shape measured beside a prefill
+# level (all_heads_beside): Llama-3-8B's, all 8 kv heads in one program.
+ALL_HEADS_MEASURED = (8, 4, 128)
+
+
+def all_heads_num_splits(batch: int, num_kv_heads: int, group: int, head_dim: int, dtype: torch.dtype,
+                         device: torch.device | str) -> int:
+    """KV splits per (request, head block) of the "all_heads" schedule: none once the
+    programs cover every SM, else enough to (``floor(num_sms / programs)``, at most
+    :data:`MAX_SPLITS`). From shapes only (CUDA-graph safe)."""
+    cfg = all_heads_config(num_kv_heads, group, head_dim, dtype)
+    programs = max(1, batch * -(-num_kv_heads // cfg.heads))
+    return max(1, min(MAX_SPLITS, planning_sms(torch.device(device)) // programs))
+
+
 def whole_sm_decode_programs(batch: int, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                              page_size: int, device: torch.device | str) -> int:
     """The programs of :func:`batch_decode_paged`'s per-request plan for these shapes when
@@ -504,7 +553,7 @@ def balanced_num_programs(num_kv_heads: int, device: torch.device | str, *,
     return max(1, min(MAX_BALANCED_PROGRAMS, num_sms * programs_per_sm // num_kv_heads))
 
 
-SCHEDULES = ("per_request", "balanced", "shared_pages", "concurrent")
+SCHEDULES = ("per_request", "balanced", "shared_pages", "concurrent", "all_heads")
 # The "concurrent" schedule's tiles win beside a prefill level only over short rows: the
 # longest row a cascade hands them (decode_schedule_beside_prefill).
 CONCURRENT_MAX_KEYS = 512
@@ -549,22 +598,44 @@ def pick_decode_schedule(batch: int, num_kv_heads: int, device: torch.device | s
     return "per_request"
 
 
-def decode_schedule_beside_prefill(schedule: str, seq_lens) -> str:
+def decode_schedule_beside_prefill(schedule: str, seq_lens, *, num_kv_heads: int | None = None,
+                                   group: int | None = None, head_dim: int | None = None,
+                                   dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> str:
     """The schedule of a decode level that runs beside a prefill kernel on another stream
     (``MultiLevelCascadeAttention``'s side stream), from the one it would run alone.
 
-    ``"concurrent"`` where every row holds at most :data:`CONCURRENT_MAX_KEYS` keys and
-    the schedule is ``"per_request"``; else ``schedule`` unchanged. ``seq_lens``: host
-    ints (numpy array, list or CPU tensor), tokens per row. The concurrent tiles
-    (:func:`pick_decode_config` with ``concurrent``) keep fewer loads in flight per program,
-    which costs long rows (H200, bf16, Hq 32 / Hkv 8, cascades at (48, 1024, 8199) 391 ->
-    614 µs, at (128, 1024, 8199) 982 -> 1004) and helps short ones beside the prefill
-    level (benchmarks/NOTES.md, "Decode").
+    Where the schedule is ``"per_request"`` and every row holds at most
+    :data:`CONCURRENT_MAX_KEYS` keys: ``"all_heads"`` when the shapes are given
+    (``num_kv_heads``, query ``group``, ``head_dim``, ``dtype``, ``device``) and
+    :func:`all_heads_beside` takes them, else ``"concurrent"``; any other case keeps
+    ``schedule``. ``seq_lens``: host ints (numpy array, list or CPU tensor), tokens per row.
+    The concurrent tiles (:func:`pick_decode_config` with ``concurrent``) keep fewer loads
+    in flight per program, which costs long rows (H200, bf16, Hq 32 / Hkv 8, cascades at
+    (48, 1024, 8199) 391 -> 614 µs, at (128, 1024, 8199) 982 -> 1004) and helps short ones
+    beside the prefill level (benchmarks/NOTES.md, "Decode").
     """
     if schedule != "per_request":
         return schedule
     lens = np.asarray(host_array(seq_lens)).reshape(-1)
-    return "concurrent" if lens.size and int(lens.max()) <= CONCURRENT_MAX_KEYS else schedule
+    if not lens.size or int(lens.max()) > CONCURRENT_MAX_KEYS:
+        return schedule
+    if num_kv_heads is not None and all_heads_beside(lens.size, num_kv_heads, group, head_dim, dtype, device):
+        return "all_heads"
+    return "concurrent"
+
+
+def all_heads_beside(batch: int, num_kv_heads: int, group: int, head_dim: int, dtype: torch.dtype,
+                     device: torch.device | str) -> bool:
+    """Whether a decode level of ``batch`` short rows beside a prefill level takes the
+    "all_heads" schedule: where it was measured faster than the concurrent tiles, i.e. its
+    programs are the measured one (every kv head of a Llama-3-8B layer: 8 heads, group 4,
+    head_dim 128, 16-bit, 8 warps capped at 128 registers) and cover the SMs without a
+    split (H200, cascades at (256, 4096, 128 / 144 / 256 / 384) and (128, 32768, 512):
+    1-3.6% faster; at (64, 8192, 256), whose 64 requests need 2 splits, 5.5% slower;
+    benchmarks/NOTES.md, "Cascade" v16)."""
+    if (num_kv_heads, group, head_dim) != ALL_HEADS_MEASURED or dtype not in (torch.float16, torch.bfloat16):
+        return False
+    return all_heads_num_splits(batch, num_kv_heads, group, head_dim, dtype, device) == 1
 
 
 # ---------------------------------------------------------------------------------- merge
