@@ -24,7 +24,12 @@ its query heads loaded once, then each of its pages with all kv heads a step, K 
 straight into the batched product's ``[Hkv, D, page]`` order (no permute), the K/V ring
 as deep as ``tl.range``'s stages give it; one program per request, and 68 persistent
 programs walking the requests; alone and beside the prefix level, for each of
-``REQUEST_MAJOR``'s (stages, warps). GPU only.
+``REQUEST_MAJOR``'s (stages, warps). ``flat_major``: the same step over one loop through
+the flat page list (whole requests per program), so the K/V ring runs on across request
+boundaries. ``request_major_t``: the same step transposed (keys on the products' M side,
+the query group on N: a quarter of the accumulator), 8 warps capped at 128 registers so
+that two programs share an SM (``REQUEST_MAJOR_T``). ``--sketches`` picks which of them run.
+GPU only.
 """
 
 from __future__ import annotations
@@ -45,6 +50,25 @@ BESIDE = 68  # the SMs the prefix level's one-split grid (64 programs) leaves on
 # 3 at 8 (64 KiB a page at Hkv 8, D 128; 96 / 160 / 224 KiB of shared memory; 164-170
 # registers, one program an SM).
 REQUEST_MAJOR = ((3, 8), (5, 8), (8, 8))
+# (stages, warps, register cap) of request_major_t: at 8 warps 155 registers uncapped (one
+# program an SM), 124 capped at 128 without spills (two an SM); at 4 warps, capped at 168,
+# three an SM. 72 KiB of shared memory each (a K/V ring one page deep).
+REQUEST_MAJOR_T = ((3, 8, None), (3, 8, 128), (3, 4, 168))
+SKETCHES = ("page_major", "request_major", "flat_major", "request_major_t")
+
+
+def sketch_configs(sketches):
+    """(sketch, stages, warps, register cap, programs) of the request- and flat-major runs:
+    one program per request or ``BESIDE`` persistent ones (two per SM too for the capped
+    ``request_major_t``); ``flat_major`` on 132 and ``BESIDE``."""
+    for stages, warps in REQUEST_MAJOR:
+        if "request_major" in sketches:
+            yield from (("request_major", stages, warps, None, p) for p in (None, BESIDE))
+        if "flat_major" in sketches:
+            yield from (("flat_major", stages, warps, None, p) for p in (132, BESIDE))
+    for stages, warps, cap in REQUEST_MAJOR_T if "request_major_t" in sketches else ():
+        yield from (("request_major_t", stages, warps, cap, p) for p in (None, BESIDE, 2 * BESIDE if cap else None)
+                    if p or p is None)
 
 
 @triton.jit
@@ -170,6 +194,107 @@ def _request_major_row(q_ptr, pool_ptr, kv_indices_ptr, kv_indptr_ptr, kv_last_p
              tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453), mask=row_ok)
 
 
+@triton.jit
+def flat_major(q_ptr, pool_ptr, kv_indices_ptr, info_ptr, range_ptr, o_ptr, lse_ptr,
+               stride_qb, stride_qh, stride_pp, stride_pkv, stride_pt, stride_ph,
+               stride_ob, stride_oh, stride_lb, qk_scale,
+               HKV: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, D: tl.constexpr,
+               STAGES: tl.constexpr):
+    """``request_major``'s step over one flat loop: program ``p`` takes the whole requests
+    whose pages are entries ``[range[p], range[p + 1])`` of the flat page list, one page
+    (all kv heads) a step, so the K/V ring runs on across request boundaries. Each entry's
+    ``info`` packs ``request << 7 | valid tokens << 2 | last << 1 | first``: the state
+    restarts on a first page (the query heads reloaded then), and is written on a last."""
+    pid = tl.program_id(0)
+    lo = tl.load(range_ptr + pid)
+    hi = tl.load(range_ptr + pid + 1)
+    h = tl.arange(0, HKV)
+    g = tl.arange(0, 16)
+    n = tl.arange(0, PAGE_SIZE)
+    d = tl.arange(0, D)
+    qrow = h[:, None] * GROUP + g[None, :]  # [HKV, 16]: rows past GROUP are padding
+    row_ok = (g < GROUP)[None, :] & (h >= 0)[:, None]
+    kt_off = h[:, None, None] * stride_ph + d[None, :, None] + n[None, None, :] * stride_pt  # [HKV, D, PAGE]
+    v_off = h[:, None, None] * stride_ph + n[None, :, None] * stride_pt + d[None, None, :]  # [HKV, PAGE, D]
+    q = tl.zeros([HKV, 16, D], q_ptr.dtype.element_ty)
+    m_i = tl.full([HKV, 16], float("-inf"), tl.float32)
+    l_i = tl.zeros([HKV, 16], tl.float32)
+    acc = tl.zeros([HKV, 16, D], tl.float32)
+    for t in tl.range(lo, hi, num_stages=STAGES):
+        info = tl.load(info_ptr + t)
+        page = tl.load(kv_indices_ptr + t).to(tl.int64)
+        r = (info >> 7).to(tl.int64)
+        valid = (info >> 2) & 31
+        last = (info & 2) != 0
+        first = (info & 1) != 0
+        if first:  # a branch, not a masked load: the pipeliner would give q a ring of its own
+            q = tl.load(q_ptr + r * stride_qb + qrow[:, :, None] * stride_qh + d[None, None, :],
+                        mask=row_ok[:, :, None], other=0.0)
+        kt = tl.load(pool_ptr + page * stride_pp + kt_off)
+        v = tl.load(pool_ptr + page * stride_pp + stride_pkv + v_off)
+        m_i = tl.where(first, float("-inf"), m_i)
+        l_i = tl.where(first, 0.0, l_i)
+        acc = tl.where(first, 0.0, acc)
+        s = tl.dot(q, kt)  # [HKV, 16, PAGE]
+        s = tl.where((n < valid)[None, None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=2))
+        p = tl.exp2(s - m_new[:, :, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=2)
+        acc = acc * alpha[:, :, None] + tl.dot(p.to(q.dtype), v)
+        m_i = m_new
+        if last:  # a branch: the division and the stores' addresses only once a request
+            tl.store(o_ptr + r * stride_ob + qrow[:, :, None] * stride_oh + d[None, None, :],
+                     (acc / l_i[:, :, None]).to(o_ptr.dtype.element_ty), mask=row_ok[:, :, None])
+            tl.store(lse_ptr + r * stride_lb + qrow, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=row_ok)
+
+
+@triton.jit
+def request_major_t(q_ptr, pool_ptr, kv_indices_ptr, kv_indptr_ptr, kv_last_ptr, o_ptr, lse_ptr, batch,
+                    stride_qb, stride_qh, stride_pp, stride_pkv, stride_pt, stride_ph,
+                    stride_ob, stride_oh, stride_lb, qk_scale,
+                    HKV: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, D: tl.constexpr,
+                    STAGES: tl.constexpr):
+    """``request_major`` transposed: the page's keys on the products' M side and the query
+    group on N (``S^T = K Q^T``, ``O^T += V^T P^T``), so no query row is padded to 16 and
+    the accumulator is ``[HKV, D, GROUP]``, a quarter of ``request_major``'s at group 4."""
+    for r in range(tl.program_id(0), batch, tl.num_programs(0)):
+        r64 = tl.full([], 0, tl.int64) + r  # a tensor in every mode (the interpreter's loop gives an int)
+        h = tl.arange(0, HKV)
+        g = tl.arange(0, GROUP)
+        n = tl.arange(0, PAGE_SIZE)
+        d = tl.arange(0, D)
+        qt = tl.load(q_ptr + r64 * stride_qb + (h[:, None, None] * GROUP + g[None, None, :]) * stride_qh
+                     + d[None, :, None])  # [HKV, D, GROUP]
+        k_off = h[:, None, None] * stride_ph + n[None, :, None] * stride_pt + d[None, None, :]  # [HKV, PAGE, D]
+        vt_off = h[:, None, None] * stride_ph + d[None, :, None] + n[None, None, :] * stride_pt  # [HKV, D, PAGE]
+        first = tl.load(kv_indptr_ptr + r)
+        n_pages = tl.load(kv_indptr_ptr + r + 1) - first
+        last_len = tl.load(kv_last_ptr + r)
+        m_i = tl.full([HKV, GROUP], float("-inf"), tl.float32)
+        l_i = tl.zeros([HKV, GROUP], tl.float32)
+        acc = tl.zeros([HKV, D, GROUP], tl.float32)
+        for j in tl.range(0, n_pages, num_stages=STAGES):
+            page = tl.load(kv_indices_ptr + first + j).to(tl.int64)
+            k = tl.load(pool_ptr + page * stride_pp + k_off)
+            vt = tl.load(pool_ptr + page * stride_pp + stride_pkv + vt_off)
+            valid = tl.where(j == n_pages - 1, last_len, PAGE_SIZE)
+            s = tl.dot(k, qt)  # [HKV, PAGE, GROUP]
+            s = tl.where((n < valid)[None, :, None], s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            p = tl.exp2(s - m_new[:, None, :])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None, :] + tl.dot(vt, p.to(qt.dtype))
+            m_i = m_new
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        qrow = h[:, None] * GROUP + g[None, :]  # [HKV, GROUP]
+        tl.store(o_ptr + r64 * stride_ob + qrow[:, None, :] * stride_oh + d[None, :, None],
+                 (acc / l_safe[:, None, :]).to(o_ptr.dtype.element_ty))
+        tl.store(lse_ptr + r64 * stride_lb + qrow,
+                 tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453))
+
+
 class RequestMajor:
     """``request_major`` over one workload's decode level (one program per request)."""
 
@@ -178,6 +303,7 @@ class RequestMajor:
         if s.hkv & (s.hkv - 1) or s.hq // s.hkv > 16:
             raise SystemExit("probe_sm_read: request_major needs a power-of-two Hkv and groups of <= 16")
         self.wl, self.stages, self.warps = wl, stages, warps
+        self.kernel, self.maxnreg = request_major, None
         self.programs = programs or s.batch  # fewer: persistent programs over the requests
         self.outs, self.lses = wl.out_buffers()
         self.qk_scale = s.head_dim ** -0.5 * 1.4426950408889634
@@ -187,11 +313,11 @@ class RequestMajor:
         pool, q, o, lse = wl.pools[i], wl.qs[i], self.outs[i], self.lses[i]
 
         def run():
-            request_major[(self.programs,)](
+            self.kernel[(self.programs,)](
                 q, pool, wl.kv_indices[1], wl.kv_indptr[1], wl.kv_last[1], o, lse, s.batch, q.stride(0), q.stride(1),
                 pool.stride(0), pool.stride(1), pool.stride(2), pool.stride(3), o.stride(0), o.stride(1),
                 lse.stride(0), self.qk_scale, s.hkv, s.hq // s.hkv, PAGE, s.head_dim, self.stages,
-                num_warps=self.warps)
+                num_warps=self.warps, **({"maxnreg": self.maxnreg} if self.maxnreg else {}))
         return run
 
     def max_error(self, o_ref: torch.Tensor) -> float:
@@ -199,6 +325,49 @@ class RequestMajor:
         self.outs[0].fill_(float("nan"))
         self.call(0)()
         return (self.outs[0].float() - o_ref.float()).abs().nan_to_num(float("inf")).max().item()
+
+
+class RequestMajorT(RequestMajor):
+    """``request_major_t`` over one workload's decode level (power-of-two query groups)."""
+
+    def __init__(self, wl, stages: int = 3, warps: int = 8, programs: int | None = None):
+        super().__init__(wl, stages, warps, programs)
+        group = wl.shape.hq // wl.shape.hkv
+        if group & (group - 1):
+            raise SystemExit("probe_sm_read: request_major_t needs a power-of-two query group")
+        self.kernel = request_major_t
+
+
+class FlatMajor(RequestMajor):
+    """``flat_major`` over one workload's decode level on ``programs`` programs, each given
+    whole requests of about equal page counts."""
+
+    def __init__(self, wl, stages: int, warps: int, programs: int):
+        super().__init__(wl, stages, warps, programs)
+        indptr, last_len = wl.kv_indptr[1].long().cpu(), wl.kv_last[1].long().cpu()
+        total = int(indptr[-1])
+        entries = torch.arange(total)
+        req = torch.searchsorted(indptr, entries, right=True) - 1
+        is_last = entries == indptr[req + 1] - 1
+        valid = torch.where(is_last, last_len[req], PAGE)
+        info = req << 7 | valid << 2 | is_last.long() << 1 | (entries == indptr[req]).long()
+        # request boundaries nearest to equal shares of the pages
+        cuts = torch.searchsorted(indptr, torch.arange(programs + 1) * total / programs).clamp(max=len(indptr) - 1)
+        cuts[-1] = len(indptr) - 1
+        self.info = info.to(torch.int32).to(wl.device)
+        self.ranges = indptr[cuts].to(torch.int32).to(wl.device)
+
+    def call(self, i: int):
+        wl, s = self.wl, self.wl.shape
+        pool, q, o, lse = wl.pools[i], wl.qs[i], self.outs[i], self.lses[i]
+
+        def run():
+            flat_major[(self.programs,)](
+                q, pool, wl.kv_indices[1], self.info, self.ranges, o, lse, q.stride(0), q.stride(1),
+                pool.stride(0), pool.stride(1), pool.stride(2), pool.stride(3), o.stride(0), o.stride(1),
+                lse.stride(0), self.qk_scale, s.hkv, s.hq // s.hkv, PAGE, s.head_dim, self.stages,
+                num_warps=self.warps)
+        return run
 
 
 class PageMajor:
@@ -255,6 +424,8 @@ def reader_calls(nbytes: int, programs: int, rotations: int, device, block: int 
 
 def options(ap) -> None:
     ap.add_argument("--sms", nargs="*", type=int, default=list(SMS))
+    ap.add_argument("--sketches", nargs="*", default=list(SKETCHES), choices=SKETCHES,
+                    help="the decode-level sketches to time (default: all)")
 
 
 def main() -> None:
@@ -288,21 +459,26 @@ def main() -> None:
         row[f"prefix + reader on {BESIDE} us"] = timer(beside(prefix, reader)) * 1e6
         del reader
         o_ref, _ = batch_decode_paged(wl.qs[0], wl.pools[0], wl.kv_indptr[1], wl.kv_indices[1], wl.kv_last[1])
-        for n in (132, BESIDE):
+        for n in (132, BESIDE) if "page_major" in args.sketches else ():
             pm = PageMajor(wl, n)
             row[f"page_major on {n} max err"] = pm.max_error(o_ref)
             calls = [pm.call(i) for i in range(wl.rot)]
             row[f"page_major on {n} us"] = timer(calls) * 1e6
             if n == BESIDE:
                 row[f"prefix + page_major on {n} us"] = timer(beside(prefix, calls)) * 1e6
-        for stages, warps in REQUEST_MAJOR:
-            for programs in (None, BESIDE):
-                rm = RequestMajor(wl, stages, warps, programs)
-                name = f"request_major s{stages} w{warps}" + (f" on {programs}" if programs else "")
-                row[f"{name} max err"] = rm.max_error(o_ref)
-                calls = [rm.call(i) for i in range(wl.rot)]
-                row[f"{name} us"] = timer(calls) * 1e6
-                row[f"prefix + {name} us"] = timer(beside(prefix, calls)) * 1e6
+        done = set()
+        for sketch, stages, warps, cap, programs in sketch_configs(args.sketches):
+            name = f"{sketch} s{stages} w{warps}" + (f" r{cap}" if cap else "") + (f" on {programs}" if programs else "")
+            if name in done:
+                continue
+            done.add(name)
+            kind = {"request_major": RequestMajor, "flat_major": FlatMajor, "request_major_t": RequestMajorT}[sketch]
+            rm = kind(wl, stages, warps, programs)
+            rm.maxnreg = cap
+            row[f"{name} max err"] = rm.max_error(o_ref)
+            calls = [rm.call(i) for i in range(wl.rot)]
+            row[f"{name} us"] = timer(calls) * 1e6
+            row[f"prefix + {name} us"] = timer(beside(prefix, calls)) * 1e6
         rows.append(row)
         print(markdown_table([row], list(row)), flush=True)
     write_json(args.json, {"environment": environment(), "copy_bytes_per_s": copy_bw, "per_sm": per_sm,
