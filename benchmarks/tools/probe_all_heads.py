@@ -6,8 +6,9 @@ Per shape (default: the engine's decode batch at 144, 256 and 384 own tokens, th
 bar shapes), CUDA-graph replays over rotated inputs: the decode level alone with the default
 schedule and with ``schedule="all_heads"``; the public cascade as planned; and the cascade
 with its decode level on ``"all_heads"`` beside the prefix level, with the plan's prefix
-split count and with each of ``--splits``. Each cascade's output is checked against the
-default cascade's (max abs difference). GPU only.
+split count and with each of ``--splits``; with ``--hopper``, also the cascade as planned
+with its prefix level on ``backend="hopper"``. Each cascade's output is checked against
+the default cascade's (max abs difference). GPU only.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def decode_beside(schedule: str | None, splits: int | None):
 
 def options(ap) -> None:
     ap.add_argument("--splits", nargs="*", type=int, default=[1, 2, 3, 4])
+    ap.add_argument("--hopper", action="store_true", help="also the cascade with its prefix level on the Hopper kernel")
 
 
 def main() -> None:
@@ -68,6 +70,11 @@ def main() -> None:
             name = f"all_heads beside, {splits or 'plan'} split" + ("s" if splits != 1 else "")
             row[f"{name} max diff"] = (o.float() - o_ref).abs().nan_to_num(float("inf")).max().item()
             row[f"{name} us"] = timer([m.call(i) for i in range(wl.rot)]) * 1e6
+        if args.hopper:
+            m = ours(wl, True, backend="hopper")
+            o, _ = m.result()
+            row["cascade, hopper prefix max diff"] = (o.float() - o_ref).abs().nan_to_num(float("inf")).max().item()
+            row["cascade, hopper prefix us"] = timer([m.call(i) for i in range(wl.rot)]) * 1e6
         rows.append(row)
         print(markdown_table([row], list(row)), flush=True)
     write_json(args.json, {"environment": environment(), "copy_bytes_per_s": copy_bw, "rows": rows})
