@@ -28,6 +28,7 @@ or value poisons its row (``finish_state``).
 import triton
 import triton.language as tl
 
+from cascadeinfer.kernels.decode_kernel import split_token_range
 from cascadeinfer.kernels.softmax import finish_state
 
 
@@ -67,13 +68,8 @@ def all_heads_kernel(
     req = rest // num_head_blocks
 
     # This split's token range: pages [split * per, (split + 1) * per) of the request.
-    row_start = tl.load(kv_indptr_ptr + req)
-    num_pages = tl.load(kv_indptr_ptr + req + 1) - row_start
-    last_len = tl.load(kv_last_page_len_ptr + req)
-    seq_len = tl.where(num_pages > 0, (num_pages - 1) * PAGE_SIZE + last_len, 0)
-    per_split = tl.cdiv(num_pages, num_splits)
-    t_begin = split * per_split * PAGE_SIZE
-    t_end = tl.minimum((split + 1) * per_split * PAGE_SIZE, seq_len)  # never past the row's pages
+    row_start, t_begin, t_end = split_token_range(kv_indptr_ptr, kv_last_page_len_ptr, req, split, num_splits,
+                                                  PAGE_SIZE)
 
     offs_h = tl.arange(0, HEADS)
     offs_g = tl.arange(0, BLOCK_G)

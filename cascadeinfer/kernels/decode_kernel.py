@@ -178,6 +178,23 @@ def merge_subtiles(acc, l_i, m_i):
     return tl.sum(acc * w[:, :, None], 0), tl.sum(l_i * w, 0), m
 
 
+@triton.jit
+def split_token_range(kv_indptr_ptr, kv_last_page_len_ptr, req, split, num_splits, PAGE_SIZE: tl.constexpr):
+    """Split ``split`` of request ``req``'s keys: pages ``[split * per, (split + 1) * per)``
+    of the request, ``per = cdiv(num_pages, num_splits)``, as token positions. Returns
+    ``(row_start, t_begin, t_end)``: the request's first entry in ``kv_indices`` and the
+    split's tokens ``[t_begin, t_end)``, never past the row's last key (empty when
+    ``t_end <= t_begin``). Every split-KV decode schedule cuts rows this way."""
+    row_start = tl.load(kv_indptr_ptr + req)
+    num_pages = tl.load(kv_indptr_ptr + req + 1) - row_start
+    last_len = tl.load(kv_last_page_len_ptr + req)
+    seq_len = tl.where(num_pages > 0, (num_pages - 1) * PAGE_SIZE + last_len, 0)
+    per_split = tl.cdiv(num_pages, num_splits)
+    t_begin = split * per_split * PAGE_SIZE
+    t_end = tl.minimum((split + 1) * per_split * PAGE_SIZE, seq_len)
+    return row_start, t_begin, t_end
+
+
 @triton.jit(do_not_specialize=["num_kv_heads", "num_splits"])
 def decode_kernel(
     q_ptr,  # [batch, num_qo_heads, head_dim], strides (stride_qb, stride_qh, 1)
@@ -221,14 +238,8 @@ def decode_kernel(
     split = rest % num_splits
     req = rest // num_splits
 
-    # This split's token range: pages [split * per, (split + 1) * per) of the request.
-    row_start = tl.load(kv_indptr_ptr + req)
-    num_pages = tl.load(kv_indptr_ptr + req + 1) - row_start
-    last_len = tl.load(kv_last_page_len_ptr + req)
-    seq_len = tl.where(num_pages > 0, (num_pages - 1) * PAGE_SIZE + last_len, 0)
-    per_split = tl.cdiv(num_pages, num_splits)
-    t_begin = split * per_split * PAGE_SIZE
-    t_end = tl.minimum((split + 1) * per_split * PAGE_SIZE, seq_len)  # never past the row's pages
+    row_start, t_begin, t_end = split_token_range(kv_indptr_ptr, kv_last_page_len_ptr, req, split, num_splits,
+                                                  PAGE_SIZE)
     t_full = t_begin + tl.maximum(t_end - t_begin, 0) // BLOCK_N * BLOCK_N
 
     offs_h = tl.arange(0, BLOCK_H)
