@@ -67,8 +67,8 @@ def sketch_configs(sketches):
         if "flat_major" in sketches:
             yield from (("flat_major", stages, warps, None, p) for p in (132, BESIDE))
     for stages, warps, cap in REQUEST_MAJOR_T if "request_major_t" in sketches else ():
-        yield from (("request_major_t", stages, warps, cap, p) for p in (None, BESIDE, 2 * BESIDE if cap else None)
-                    if p or p is None)
+        programs = (None, BESIDE, 2 * BESIDE) if cap else (None, BESIDE)
+        yield from (("request_major_t", stages, warps, cap, p) for p in programs)
 
 
 @triton.jit
@@ -308,13 +308,19 @@ class RequestMajor:
         self.outs, self.lses = wl.out_buffers()
         self.qk_scale = s.head_dim ** -0.5 * 1.4426950408889634
 
+    def tables(self) -> tuple:
+        """The kernel's arguments between the pool and the outputs, and after the outputs."""
+        wl = self.wl
+        return (wl.kv_indices[1], wl.kv_indptr[1], wl.kv_last[1]), (wl.shape.batch,)
+
     def call(self, i: int):
         wl, s = self.wl, self.wl.shape
         pool, q, o, lse = wl.pools[i], wl.qs[i], self.outs[i], self.lses[i]
+        before, after = self.tables()
 
         def run():
             self.kernel[(self.programs,)](
-                q, pool, wl.kv_indices[1], wl.kv_indptr[1], wl.kv_last[1], o, lse, s.batch, q.stride(0), q.stride(1),
+                q, pool, *before, o, lse, *after, q.stride(0), q.stride(1),
                 pool.stride(0), pool.stride(1), pool.stride(2), pool.stride(3), o.stride(0), o.stride(1),
                 lse.stride(0), self.qk_scale, s.hkv, s.hq // s.hkv, PAGE, s.head_dim, self.stages,
                 num_warps=self.warps, **({"maxnreg": self.maxnreg} if self.maxnreg else {}))
@@ -354,20 +360,12 @@ class FlatMajor(RequestMajor):
         # request boundaries nearest to equal shares of the pages
         cuts = torch.searchsorted(indptr, torch.arange(programs + 1) * total / programs).clamp(max=len(indptr) - 1)
         cuts[-1] = len(indptr) - 1
+        self.kernel = flat_major
         self.info = info.to(torch.int32).to(wl.device)
         self.ranges = indptr[cuts].to(torch.int32).to(wl.device)
 
-    def call(self, i: int):
-        wl, s = self.wl, self.wl.shape
-        pool, q, o, lse = wl.pools[i], wl.qs[i], self.outs[i], self.lses[i]
-
-        def run():
-            flat_major[(self.programs,)](
-                q, pool, wl.kv_indices[1], self.info, self.ranges, o, lse, q.stride(0), q.stride(1),
-                pool.stride(0), pool.stride(1), pool.stride(2), pool.stride(3), o.stride(0), o.stride(1),
-                lse.stride(0), self.qk_scale, s.hkv, s.hq // s.hkv, PAGE, s.head_dim, self.stages,
-                num_warps=self.warps)
-        return run
+    def tables(self) -> tuple:
+        return (self.wl.kv_indices[1], self.info, self.ranges), ()
 
 
 class PageMajor:
@@ -466,12 +464,8 @@ def main() -> None:
             row[f"page_major on {n} us"] = timer(calls) * 1e6
             if n == BESIDE:
                 row[f"prefix + page_major on {n} us"] = timer(beside(prefix, calls)) * 1e6
-        done = set()
         for sketch, stages, warps, cap, programs in sketch_configs(args.sketches):
             name = f"{sketch} s{stages} w{warps}" + (f" r{cap}" if cap else "") + (f" on {programs}" if programs else "")
-            if name in done:
-                continue
-            done.add(name)
             kind = {"request_major": RequestMajor, "flat_major": FlatMajor, "request_major_t": RequestMajorT}[sketch]
             rm = kind(wl, stages, warps, programs)
             rm.maxnreg = cap
