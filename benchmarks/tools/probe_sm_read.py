@@ -84,6 +84,20 @@ def stream_reader(x_ptr, out_ptr, n_chunks, programs, BLOCK: tl.constexpr, STAGE
 
 
 @triton.jit
+def _page_step(acc, l_i, m_i, q, kt, v, key_ok, qk_scale):
+    """One page of every kv head into the sketches' online softmax (base 2): ``q`` [HKV, 16,
+    D], ``kt`` [HKV, D, PAGE], ``v`` [HKV, PAGE, D], keys outside ``key_ok`` [PAGE] masked."""
+    s = tl.dot(q, kt)  # [HKV, 16, PAGE]
+    s = tl.where(key_ok[None, None, :], s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=2))
+    p = tl.exp2(s - m_new[:, :, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=2)
+    acc = acc * alpha[:, :, None] + tl.dot(p.to(q.dtype), v)
+    return acc, l_i, m_new
+
+
+@triton.jit
 def page_major(q_ptr, pool_ptr, entry_req_ptr, kv_indices_ptr, kv_indptr_ptr, kv_last_ptr, po_ptr, plse_ptr,
                total, per_prog, stride_qb, stride_qh, stride_pp, stride_pkv, stride_pt, stride_ph,
                stride_ob, stride_oh, stride_lb, qk_scale,
@@ -179,14 +193,7 @@ def _request_major_row(q_ptr, pool_ptr, kv_indices_ptr, kv_indptr_ptr, kv_last_p
         kt = tl.load(pool_ptr + page * stride_pp + kt_off)
         v = tl.load(pool_ptr + page * stride_pp + stride_pkv + v_off)
         valid = tl.where(j == n_pages - 1, last_len, PAGE_SIZE)
-        s = tl.dot(q, kt)  # [HKV, 16, PAGE]
-        s = tl.where((n < valid)[None, None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=2))
-        p = tl.exp2(s - m_new[:, :, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=2)
-        acc = acc * alpha[:, :, None] + tl.dot(p.to(q.dtype), v)
-        m_i = m_new
+        acc, l_i, m_i = _page_step(acc, l_i, m_i, q, kt, v, n < valid, qk_scale)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     tl.store(o_ptr + r64 * stride_ob + qrow[:, :, None] * stride_oh + d[None, None, :],
              (acc / l_safe[:, :, None]).to(o_ptr.dtype.element_ty), mask=row_ok[:, :, None])
@@ -235,14 +242,7 @@ def flat_major(q_ptr, pool_ptr, kv_indices_ptr, info_ptr, range_ptr, o_ptr, lse_
         m_i = tl.where(first, float("-inf"), m_i)
         l_i = tl.where(first, 0.0, l_i)
         acc = tl.where(first, 0.0, acc)
-        s = tl.dot(q, kt)  # [HKV, 16, PAGE]
-        s = tl.where((n < valid)[None, None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=2))
-        p = tl.exp2(s - m_new[:, :, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=2)
-        acc = acc * alpha[:, :, None] + tl.dot(p.to(q.dtype), v)
-        m_i = m_new
+        acc, l_i, m_i = _page_step(acc, l_i, m_i, q, kt, v, n < valid, qk_scale)
         if last:  # a branch: the division and the stores' addresses only once a request
             tl.store(o_ptr + r * stride_ob + qrow[:, :, None] * stride_oh + d[None, None, :],
                      (acc / l_i[:, :, None]).to(o_ptr.dtype.element_ty), mask=row_ok[:, :, None])
