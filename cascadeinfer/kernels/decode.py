@@ -28,8 +28,8 @@ schedules of the same math.
   block of kv heads, split) reads a 16-key tile of all its heads at once (32 KiB of K and
   of V a step at Llama-3-8B's shapes) with the products transposed (keys on M, the query
   group on N), two 8-warp programs an SM. Beside a compute-bound kernel on another stream
-  it reads the rows as fast as a plain streaming copy does; alone it runs at the copy
-  floor like the per-request schedule. Nothing picks it from shapes;
+  it keeps more bytes in flight on the SMs it gets than the per-request tiles; alone it
+  runs near the copy floor like the per-request schedule. Nothing picks it from shapes;
   :func:`policy.decode_schedule_beside_prefill` picks it where it was measured faster.
 
 :func:`batch_decode_paged` takes ``schedule=``; by default :func:`pick_decode_schedule`

@@ -3,7 +3,8 @@
 The per-request kernel (:mod:`cascadeinfer.kernels.decode_kernel`) gives each (request,
 kv head) a program and packs the head's query group into the M side of ``tl.dot``, padded
 to 16 rows; one 4-8 KiB tile a step. Beside a prefill kernel on another stream that keeps
-too little in flight per SM (benchmarks/NOTES.md, "Cascade" v15). Here a program takes
+too few bytes in flight on the SMs it gets (benchmarks/NOTES.md, "Cascade" v15, v16). Here
+a program takes
 ``HEADS`` kv heads of one request (all 8 of a Llama-3-8B layer) and reads each key tile of
 all of them at once: a 32 KiB K and a 32 KiB V load a step at bf16, head_dim 128 and 16
 keys. The products are batched over the heads and transposed, the tile's keys on the M
@@ -16,9 +17,10 @@ One program per (request, head block, split). A split owns pages ``[split * per,
 rule). Whole tiles run in the pipelined loop, one page index and one 64-bit base a tile
 (pages of a multiple of 16 keys); the partial last tile runs after it, its keys past the
 end reading the range's last key (a real key of the row, so the pool's garbage past a
-row is never read) with only their scores masked. Smaller pages run every tile that way. With one split the kernel writes ``(o, natural-log lse)``; with
-more, each split writes its fp32 state and :func:`cascadeinfer.kernels.merge_many.merge_states`'
-kernel merges them after.
+row is never read) with only their scores masked. Smaller pages run every tile that way.
+With one split the kernel writes ``(o, natural-log lse)``; with more, each split writes
+its fp32 state and :func:`cascadeinfer.kernels.merge_many.merge_states`' kernel merges
+them after.
 
 Scores are kept in base 2 inside (``log2(e) * sm_scale`` folded into one scale, ``exp2``);
 the stored LSE is a natural log; a row with no keys gives ``(0, -inf)``; a NaN or inf key

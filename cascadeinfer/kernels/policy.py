@@ -461,8 +461,8 @@ ALL_HEADS_MEASURED = (8, 4, 128)
 def all_heads_num_splits(batch: int, num_kv_heads: int, group: int, head_dim: int, dtype: torch.dtype,
                          device: torch.device | str) -> int:
     """KV splits per (request, head block) of the "all_heads" schedule: none once the
-    programs cover every SM, else enough to (``floor(num_sms / programs)``, at most
-    :data:`MAX_SPLITS`). From shapes only (CUDA-graph safe)."""
+    programs cover every SM, else ``floor(num_sms / programs)`` (at most
+    :data:`MAX_SPLITS`), about one program an SM. From shapes only (CUDA-graph safe)."""
     cfg = all_heads_config(num_kv_heads, group, head_dim, dtype)
     programs = max(1, batch * -(-num_kv_heads // cfg.heads))
     return max(1, min(MAX_SPLITS, planning_sms(torch.device(device)) // programs))
