@@ -631,7 +631,7 @@ def all_heads_beside(batch: int, num_kv_heads: int, group: int, head_dim: int, d
     programs are the measured one (every kv head of a Llama-3-8B layer: 8 heads, group 4,
     head_dim 128, 16-bit, 8 warps capped at 128 registers) and cover the SMs without a
     split (H200, cascades at (256, 4096, 128 / 144 / 256 / 384) and (128, 32768, 512):
-    1-3.6% faster; at (64, 8192, 256), whose 64 requests need 2 splits, 5.5% slower;
+    1.4-3.6% faster; at (64, 8192, 256), whose 64 requests need 2 splits, 5.5% slower;
     benchmarks/NOTES.md, "Cascade" v16)."""
     if (num_kv_heads, group, head_dim) != ALL_HEADS_MEASURED or dtype not in (torch.float16, torch.bfloat16):
         return False
