@@ -422,7 +422,7 @@ def decode_num_splits(batch: int, num_kv_heads: int, device: torch.device | str,
 # The "all_heads" schedule's programs (kernels/decode_heads.py): at most ALL_HEADS_ACC
 # accumulator floats and ALL_HEADS_TILE_BYTES of K a step. At Hkv 8, group 4, head_dim 128,
 # bf16 that is every kv head in one program of 8 warps, 16-key tiles, 3 stages (a K/V ring
-# one tile deep), registers held to 128 (124 used, no spills on sm_90a), so two programs
+# one tile deep), registers held to 128 (127 used, no spills on sm_90a), so two programs
 # share an SM: the H200 probe's best (benchmarks/NOTES.md, "Cascade" v16).
 ALL_HEADS_ACC = 4096
 ALL_HEADS_TILE_BYTES = 32768
