@@ -79,6 +79,11 @@ class Shape:
         return (self.prefix + self.batch * self.suffix) * self.token_bytes
 
     @property
+    def decode_level_bytes(self) -> int:
+        """K/V the decode level reads: every request's own pages, whole pages."""
+        return self.batch * self.suffix_pages * PAGE * self.token_bytes
+
+    @property
     def io_bytes(self) -> int:
         return self.kv_bytes + 2 * self.batch * self.hq * self.head_dim * DTYPE.itemsize  # + q + o
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 
 from benchmarks._common import environment, markdown_table, measure_ceilings, write_json
-from benchmarks.fixtures import PAGE, level_alone_calls, ours, shape_tool_start, shape_workloads
+from benchmarks.fixtures import level_alone_calls, ours, shape_tool_start, shape_workloads
 
 SHAPES = ("256,4096,144", "256,4096,256", "256,4096,384",
           "64,8192,256", "128,32768,512", "256,4096,128", "16,65536,1024")
@@ -51,7 +51,7 @@ def main() -> None:
     copy_bw, _ = measure_ceilings()
     rows = []
     for text, s, wl in shape_workloads(args.shapes, device):
-        nbytes = s.batch * s.suffix_pages * PAGE * s.token_bytes
+        nbytes = s.decode_level_bytes
         outs, lses = wl.out_buffers()
         heads = [lambda i=i: batch_decode_paged(wl.qs[i], wl.pools[i], wl.kv_indptr[1], wl.kv_indices[1],
                                                 wl.kv_last[1], out=outs[i], lse=lses[i], validate=False,

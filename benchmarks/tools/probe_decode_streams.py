@@ -270,7 +270,7 @@ def main() -> None:
     copy_bw, _ = measure_ceilings()
     rows = []
     for text, s, wl in shape_workloads(args.shapes, device):
-        nbytes = s.batch * s.suffix_pages * PAGE * s.token_bytes
+        nbytes = s.decode_level_bytes
         prefix = prefix_calls(wl, 1)
         cascade = ours(wl, True)
         row = {"shape": text, "bytes floor us": nbytes / copy_bw * 1e6,

@@ -446,7 +446,7 @@ def main() -> None:
 
     rows = []
     for text, s, wl in shape_workloads(args.shapes, device):
-        nbytes = s.batch * s.suffix_pages * PAGE * s.token_bytes
+        nbytes = s.decode_level_bytes
         prefix = prefix_calls(wl, 1)
         cascade = ours(wl, True)
         row = {"shape": text, "decode MB": nbytes / 1e6, "bytes floor us": nbytes / copy_bw * 1e6,

@@ -396,7 +396,7 @@ def main() -> None:
     copy_bw, _ = measure_ceilings()
     rows = []
     for text, s, wl in shape_workloads(args.shapes, device):
-        decode_bytes = s.batch * s.suffix_pages * PAGE * s.token_bytes
+        decode_bytes = s.decode_level_bytes
         row = {"shape": text, "decode bytes MB": decode_bytes / 1e6, "bytes floor us": decode_bytes / copy_bw * 1e6}
         row["decode alone us"] = timer(level_alone_calls(wl, 1)) * 1e6
         splits = plan_splits(wl) if args.plan_splits else 1
