@@ -295,13 +295,13 @@ def _launch_all_heads(q, kv: PagedKV, kv_indptr, kv_indices, kv_last_page_len, o
     if num_splits is None:
         num_splits = policy.all_heads_num_splits(batch, kv.num_kv_heads, group, head_dim, q.dtype, q.device)
     blocks = triton.cdiv(kv.num_kv_heads, cfg.heads)
-    if num_splits > 1:
-        part_o = scratch((batch, num_splits, num_qo_heads, head_dim), torch.float32, q.device)
-        part_lse = scratch((batch, num_splits, num_qo_heads), torch.float32, q.device)
-        dst = (part_o, part_lse, *part_o.stride()[:3], *part_lse.stride())
+    if num_splits > 1:  # fp32 states per split, merged into out and lse after
+        o_dst = scratch((batch, num_splits, num_qo_heads, head_dim), torch.float32, q.device)
+        lse_dst = scratch((batch, num_splits, num_qo_heads), torch.float32, q.device)
+        dst_strides = (*o_dst.stride()[:3], *lse_dst.stride())
     else:
-        dst = (out, lse, out.stride(0), 0, out.stride(1), lse.stride(0), 0, lse.stride(1))
-    o_dst, lse_dst, *dst_strides = dst
+        o_dst, lse_dst = out, lse
+        dst_strides = (out.stride(0), 0, out.stride(1), lse.stride(0), 0, lse.stride(1))
     launch(
         all_heads_kernel, (batch * blocks * num_splits,),
         q, kv.k, kv.v, kv_indptr, kv_indices, kv_last_page_len, o_dst, lse_dst,
@@ -314,7 +314,7 @@ def _launch_all_heads(q, kv: PagedKV, kv_indptr, kv_indices, kv_last_page_len, o
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
     )
     if num_splits > 1:
-        merge_many.merge_states_unchecked(part_o, part_lse, out, lse)  # inputs checked here already
+        merge_many.merge_states_unchecked(o_dst, lse_dst, out, lse)  # inputs checked here already
 
 
 def _launch_per_request(q, kv: PagedKV, kv_indptr, kv_indices, kv_last_page_len, out, lse, scale: float,

@@ -446,9 +446,8 @@ def all_heads_config(num_kv_heads: int, group: int, head_dim: int, dtype: torch.
     one warp per head up to 8; 8-warp programs capped at 128 registers (two an SM)."""
     block_g = next_power_of_2(group)
     block_d = max(16, next_power_of_2(head_dim))
-    elem = torch.empty((), dtype=dtype).element_size()
     heads = min(next_power_of_2(num_kv_heads), max(1, ALL_HEADS_ACC // (block_d * block_g)),
-                max(1, ALL_HEADS_TILE_BYTES // (16 * block_d * elem)))
+                max(1, ALL_HEADS_TILE_BYTES // (16 * block_d * dtype.itemsize)))
     warps = min(8, heads)
     return AllHeadsConfig(heads, 16, warps, 3, 128 if warps == 8 else None)
 
