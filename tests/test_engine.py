@@ -499,6 +499,9 @@ def test_cli_bench_in_either_order(order, device, torch_path, capsys, tmp_path):
         assert all(row[k] is not None for k in _ENGINE_FIELDS), row
         assert row["output_tokens"] == 20 and row["graphs_captured_while_timed"] == 0
         assert 0 < row["decode_step_host_ms"] <= row["decode_step_ms"]
+        # the GPU's time for the step's forward, from CUDA events: on a GPU only
+        assert (row["decode_step_gpu_ms"] is None) == (device.type != "cuda")
+        assert device.type != "cuda" or 0 < row["decode_step_gpu_ms"] < 10 * row["decode_step_ms"]
         assert 0 < row["prefill_floor_s"] and 0 < row["decode_step_floor_ms"] and 0 < row["fraction_of_floor"] < 1
         assert row["prompt_tokens"] == 5 * 24 and row["prefill_tokens"] == 24 + 4 * 4  # the 5 shared pages once
         assert row["decode_steps"] == 2 and row["preemptions"] == 0  # request 0 is a step ahead

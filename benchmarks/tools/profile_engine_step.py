@@ -41,7 +41,7 @@ MARKER = "spin_kernel"  # torch.cuda._sleep's kernel, enqueued before each profi
 # Kernel kinds by name. cuBLAS names its Hopper kernels nvjet_* / sm90_xmma_*, older ones *gemm*.
 KINDS = (
     ("gemm", re.compile(r"gemm|nvjet|xmma|cutlass|cublas", re.I)),
-    ("attention", re.compile(r"prefill_kernel|decode_kernel|_balanced|_merge_|merge_kernel")),
+    ("attention", re.compile(r"prefill_kernel|decode_kernel|all_heads_kernel|_balanced|_merge_|merge_kernel")),
     ("fused elementwise", re.compile(r"_rms_norm|_silu_and_mul|_rope|_append_paged")),
 )
 

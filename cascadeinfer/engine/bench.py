@@ -50,7 +50,9 @@ Reported per run (table, and every number in ``--json PATH``):
   params · batch + attention FLOPs) / matmul rate). The KV bytes the mode's attention
   actually reads are reported beside it (flat re-reads the prefix for every request),
   and the host's own part of the step (its time less the wait for the previous step's
-  tokens): a step whose host part is near its whole time is bound by the host.
+  tokens): a step whose host part is near its whole time is bound by the host. On a GPU
+  also the GPU's time for the step's forward (CUDA events around it): a step whose GPU
+  time is near its whole time is bound by the GPU.
 
 Floors are lower bounds: they leave out what a perfect kernel could avoid or overlap
 (activations, the prefill's reads of the prefix, norms, sampling). With
@@ -448,9 +450,15 @@ def engine_run(llm, mode: str, setting: Setting, device: torch.device) -> dict:
     if full:
         step = statistics.median(s.seconds for s in full)
         host = statistics.median(s.seconds - s.wait_seconds for s in full)
+        gpu_each = [s.gpu_seconds() for s in full]
+        gpu = statistics.median(gpu_each) if None not in gpu_each else None
         floor = statistics.median(decode_step_floor(costs, ceil, s) for s in full)
         kv_read = statistics.median(s.kv_tokens_read for s in full) * costs.kv_bytes_per_token
         row.update(decode_step_ms=step * 1e3, decode_step_host_ms=host * 1e3,
+                   decode_step_gpu_ms=gpu * 1e3 if gpu is not None else None,
+                   # every full step in order (JSON only): how the step grows with the rows' keys
+                   decode_steps_ms=[round(s.seconds * 1e3, 4) for s in full],
+                   decode_steps_gpu_ms=[round(t * 1e3, 4) for t in gpu_each] if gpu is not None else None,
                    decode_step_floor_ms=floor * 1e3, fraction_of_decode_floor=floor / step,
                    decode_steps=len(full), weights_gb=costs.weight_bytes / 1e9, kv_read_gb=kv_read / 1e9,
                    achieved_gb_s=(costs.weight_bytes + kv_read) / step / 1e9,
@@ -616,6 +624,7 @@ _COLUMNS = [("engine", "engine"), ("output_tokens", "output tokens"), ("wall_s",
             ("tokens_per_s", "output tok/s"), ("fraction_of_floor", "of floor"), ("prefill_s", "prefill s"),
             ("prefill_floor_s", "prefill floor s"), ("decode_step_ms", "decode step ms"),
             ("decode_step_floor_ms", "step floor ms"), ("decode_step_host_ms", "step host ms"),
+            ("decode_step_gpu_ms", "step GPU ms"),
             ("prefill_tokens", "prompt tok computed"),
             ("prompt_tokens", "prompt tok submitted"), ("kv_read_gb", "KV GB/step"), ("achieved_gb_s", "achieved GB/s"),
             ("all_reduce_ms", "all-reduce ms/step")]

@@ -429,7 +429,13 @@ class LLM:
         if self._workers is not None:
             copies, self.pool.copy_log = self.pool.copy_log, []
             self._workers.send_step(batch, copies, from_previous=pending is not None)
+        events = None
+        if self.config.record_steps and self.config.device.type == "cuda":
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record()
         sample_seqs, logits, stats = self.runner.execute(batch, pending.tokens_of() if pending else None)
+        if events is not None:
+            events[1].record()
         if pending is not None:
             outputs = self._resolve(pending, updates)  # waits for the previous step's copy only
             waited = pending.wait_seconds
@@ -467,7 +473,8 @@ class LLM:
         self._num_steps += 1
         self._num_output_tokens += len(rows)
         if self.config.record_steps:
-            self.step_stats.append(replace(stats, seconds=time.perf_counter() - t0, wait_seconds=waited))
+            self.step_stats.append(replace(stats, seconds=time.perf_counter() - t0, wait_seconds=waited,
+                                           gpu_events=events))
         return outputs
 
     def _beam_step(self, beam_rows: dict[int, list[tuple[Sequence, int]]], logits: torch.Tensor

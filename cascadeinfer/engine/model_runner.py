@@ -114,6 +114,19 @@ class StepStats:
     # levels' pages once each (the shared prefix once).
     kv_tokens_attended: int = 0
     kv_tokens_shared_once: int = 0
+    # On a GPU: CUDA events recorded before and after the step's forward was enqueued, so
+    # their interval is the GPU's time for the forward (see :meth:`gpu_seconds`).
+    gpu_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+
+    def gpu_seconds(self) -> float | None:
+        """The GPU's time from the step's first event to its second: the forward's kernels,
+        and any time the GPU waited in between for the host to enqueue them (none for a
+        captured step, enqueued at once). Waits for the second event. None on a CPU."""
+        if self.gpu_events is None:
+            return None
+        start, end = self.gpu_events
+        end.synchronize()
+        return start.elapsed_time(end) * 1e-3
 
 
 class ModelRunner:
