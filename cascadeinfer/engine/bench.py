@@ -209,13 +209,18 @@ class ModelCosts:
                    kv_bytes_per_token=2 * mc.num_layers * mc.num_kv_heads // n * d * elem_bytes,
                    flops_per_pair=4 * mc.num_layers * mc.num_qo_heads // n * d)
 
-    def step_floor(self, ceil: Ceilings, *, tokens: int, logits: int, pairs: int, kv_read: int,
-                   weight_reads: int = 1) -> float:
-        """Seconds at least for ``tokens`` tokens (``logits`` of them with logits) that
+    def step_work(self, *, tokens: int, logits: int, pairs: int, kv_read: int,
+                  weight_reads: int = 1) -> tuple[int, int]:
+        """``(bytes, FLOPs)`` of ``tokens`` tokens (``logits`` of them with logits) that
         attend ``pairs`` (query, key) pairs, read ``kv_read`` tokens' K/V and write their
         own, reading the weights ``weight_reads`` times."""
         nbytes = weight_reads * self.weight_bytes + (kv_read + tokens) * self.kv_bytes_per_token
         flops = 2 * self.body_params * tokens + 2 * self.head_params * logits + self.flops_per_pair * pairs
+        return nbytes, flops
+
+    def step_floor(self, ceil: Ceilings, **work) -> float:
+        """Seconds at least for the step of :meth:`step_work` (same arguments)."""
+        nbytes, flops = self.step_work(**work)
         return max(nbytes / ceil.copy_bytes_per_s, flops / ceil.matmul_flops_per_s)
 
 
@@ -254,14 +259,18 @@ class Workload:
     def decode_floors(self, costs: ModelCosts, ceil: Ceilings, max_batch: int) -> list[float]:
         """Floors of the decode steps after the prefill: ``new_tokens - 1`` per wave of at
         most ``max_batch`` requests, the prefix read once per step."""
-        floors = []
+        return [costs.step_floor(ceil, **work) for work in self.decode_steps(max_batch)]
+
+    def decode_steps(self, max_batch: int) -> list[dict]:
+        """:meth:`ModelCosts.step_work`'s arguments for each decode step after the prefill."""
+        steps = []
         for first in range(0, self.requests, max_batch):
             batch = min(max_batch, self.requests - first)
             for k in range(1, self.new_tokens):
                 keys = self.prefix + self.suffix + k  # the fed token included
-                floors.append(costs.step_floor(ceil, tokens=batch, logits=batch, pairs=batch * keys,
-                                               kv_read=self.prefix + batch * (keys - self.prefix)))
-        return floors
+                steps.append(dict(tokens=batch, logits=batch, pairs=batch * keys,
+                                  kv_read=self.prefix + batch * (keys - self.prefix)))
+        return steps
 
 
 def decode_step_floor(costs: ModelCosts, ceil: Ceilings, step) -> float:
@@ -433,6 +442,7 @@ def engine_run(llm, mode: str, setting: Setting, device: torch.device) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=setting.workload.new_tokens, ignore_eos=True)
     llm.set_use_cascade(_ENGINE_MODES[mode])
     outs, wall, stats, captured = _timed(llm, lambda prompts: llm.generate(prompts, params), setting, device)
+    ended = time.time()  # wall clock (e.g. to find the run in a power log), a moment after its end
     steps = llm.step_stats
     costs, ceil = setting.costs, setting.ceilings
     prefill = [s for s in steps if s.num_prefill_tokens]
@@ -442,7 +452,7 @@ def engine_run(llm, mode: str, setting: Setting, device: torch.device) -> dict:
         "prompt_tokens": stats.prompt_tokens, "prefill_tokens": stats.prefill_tokens,
         "cached_prompt_tokens": stats.cached_prompt_tokens, "preemptions": stats.preemptions, "steps": stats.steps,
         "prefill_s": sum(s.seconds for s in prefill), "prefill_floor_s": setting.prefill_floor_s,
-        "prefill_steps": len(prefill), "graphs_captured_while_timed": captured,
+        "prefill_steps": len(prefill), "graphs_captured_while_timed": captured, "ended_unix_s": ended,
     }, setting)
     row["fraction_of_prefill_floor"] = row["prefill_floor_s"] / row["prefill_s"] if row["prefill_s"] else None
     batch = min(len(outs), llm.config.max_num_seqs)

@@ -1,0 +1,245 @@
+"""Power and SM clock while the cascade and each of its levels run: is the cascade bound by energy?
+
+    python -m benchmarks.tools.probe_power [--shapes B,P,S ...] [--seconds 3] [--json PATH]
+
+Beside the prefix level the decode level costs about the time of both levels
+(benchmarks/NOTES.md, "Cascade" v9-v16), though the two want different parts of an SM
+(tensor cores; memory pipes), and even a reader that computes nothing slows down beside
+the prefix level on SMs of its own. A GPU held at its power limit lowers its clocks until
+the power fits, so work that draws power side by side takes about the time of its energy
+over the limit, whatever it overlaps. This measures it: for each shape (default: the
+engine's decode batch, 256 requests over a 4096-token shared prompt with 144, 256 and 384
+tokens of their own), the prefix level alone (``batch_prefill_paged``, its default grid,
+on the portable kernel and, on compute capability 9.0, the Hopper one), the decode level
+alone (``batch_decode_paged``, its default schedule and ``"all_heads"``) and the cascade
+(``MultiLevelCascadeAttention``, its default plan and with the Hopper prefix level), after
+a bf16 matmul and a copy as references, each replayed from CUDA graphs (inputs rotated past
+L2, as the benchmarks time them) back to back for ``--seconds`` while ``nvidia-smi`` samples
+the board's instant power, SM clock and clock-event reasons every 20 ms.
+
+Printed per run: µs per call over the whole loop, the median power and SM clock of the
+samples inside it, the share of samples that report the software power cap, and the
+energy per call (median power × time). For the cascades also two floors: the roofline
+floor of ``bench_cascade`` (the cascade's bytes and FLOPs at the copy's and the matmul's
+rates of this run) and an energy floor, the same bytes and FLOPs at the copy's energy per
+byte and the matmul's per FLOP (each beyond the idle board's power) within the power the
+limit leaves above idle. A cascade near its energy floor can only get faster by spending
+fewer joules per byte and per FLOP; one at the power limit with its clock lowered is
+bound by energy, whatever its kernels overlap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import threading
+import time
+
+import torch
+
+from benchmarks._common import environment, gpu_start, markdown_table, write_json
+from benchmarks.fixtures import level_alone_calls, ours, shape_workloads
+
+ENGINE_SHAPES = ("256,4096,144", "256,4096,256", "256,4096,384")
+# power.draw.instant: the board's power now (power.draw averages over a second, which
+# would blend each run with the one before it).
+QUERY = "power.draw.instant,clocks.sm,clocks_event_reasons.active,power.limit"
+SW_POWER_CAP = 0x4  # nvidia-smi's clocks_event_reasons bit for the software power cap
+
+
+class Sampler:
+    """``nvidia-smi`` streaming ``QUERY`` every 20 ms, each line stamped on arrival."""
+
+    def __init__(self, device: torch.device):
+        props = torch.cuda.get_device_properties(device)
+        try:  # the device by its PCI address (CUDA's numbering may differ from nvidia-smi's)
+            which = f"{props.pci_domain_id:08X}:{props.pci_bus_id:02X}:{props.pci_device_id:02X}.0"
+        except AttributeError:
+            which = str(device.index)
+        query = QUERY
+        probe = subprocess.run(["nvidia-smi", "-i", which, f"--query-gpu={QUERY}", "--format=csv,noheader"],
+                               capture_output=True, text=True)
+        if probe.returncode != 0:  # a driver without the instant reading
+            query = QUERY.replace("power.draw.instant", "power.draw")
+        self.query = query
+        self.proc = subprocess.Popen(["nvidia-smi", "-i", which, f"--query-gpu={query}", "--format=csv,noheader,nounits",
+                                      "-lms", "20"], stdout=subprocess.PIPE, text=True)
+        self.samples: list[tuple[float, float, float, int, float]] = []
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            try:
+                power, clock, reasons, limit = (x.strip() for x in line.split(","))
+                self.samples.append((time.perf_counter(), float(power), float(clock), int(reasons, 16), float(limit)))
+            except ValueError:
+                continue  # "[N/A]" or a partial line
+
+    def between(self, t0: float, t1: float) -> list[tuple[float, float, float, int, float]]:
+        return [s for s in self.samples if t0 <= s[0] <= t1]
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait()
+
+
+def graph_of(fns, repeats: int = 1) -> torch.cuda.CUDAGraph:
+    """One CUDA graph of every call in ``fns`` (each on its own rotated inputs), ``repeats``
+    times over."""
+    for f in fns:
+        f()  # compile and record outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            for f in fns:
+                f()
+    return graph
+
+
+def replay_seconds(graph: torch.cuda.CUDAGraph, replays: int) -> float:
+    """GPU seconds of ``replays`` back-to-back replays of ``graph``."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e-3
+
+
+SETTLE = 0.25  # the share of each loop's samples left out while the clock and power settle
+
+# A replay's launch costs the host ~25 µs and leaves the GPU a gap; with the sampler's
+# thread beside it, more. Each replay holds this much GPU work, so neither shows.
+REPLAY_SECONDS = 0.01
+
+
+def run_loop(name: str, fns, seconds: float, sampler: Sampler) -> dict:
+    """Replay ``fns``' calls back to back for about ``seconds`` (graphs of about
+    ``REPLAY_SECONDS`` each); time per call and the samples taken while the loop ran (its
+    first ``SETTLE`` left out)."""
+    one = replay_seconds(graph_of(fns), 3) / 3
+    repeats = max(1, round(REPLAY_SECONDS / one))
+    graph = graph_of(fns, repeats)
+    replays = max(10, round(seconds / (one * repeats)))
+    t0 = time.perf_counter()
+    elapsed = replay_seconds(graph, replays)
+    t1 = time.perf_counter()
+    call_s = elapsed / (replays * repeats * len(fns))
+    got = sampler.between(t0 + SETTLE * (t1 - t0), t1)
+    if not got:
+        return {"run": name, "us": call_s * 1e6, "samples": 0}
+    power = statistics.median(s[1] for s in got)
+    return {"run": name, "us": call_s * 1e6, "W": power, "SM MHz": statistics.median(s[2] for s in got),
+            "power capped": sum(bool(s[3] & SW_POWER_CAP) for s in got) / len(got),
+            "uJ per call": power * call_s * 1e6, "samples": len(got), "limit W": got[-1][4]}
+
+
+def reference_calls(device: torch.device) -> list[tuple[str, list]]:
+    """A bf16 matmul (``MM_N``³) and a copy of ``COPY_BYTES``, each one call."""
+    a = torch.randn(MM_N, MM_N, device=device, dtype=torch.bfloat16)
+    b, c = torch.randn_like(a), torch.empty_like(a)
+    src = torch.empty(COPY_BYTES // 4, device=device, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    return [("matmul", [lambda: torch.mm(a, b, out=c)]), ("copy", [lambda: torch.add(src, 0, out=dst)])]
+
+
+MM_N = 8192
+COPY_BYTES = 2**31
+
+
+def energy_rates(idle: dict, mm: dict, copy: dict) -> dict:
+    """The references' rates and energies beyond idle: bytes/s and J per byte of the copy
+    (read + write), FLOP/s and J per FLOP of the matmul, and the power left above idle
+    under the limit."""
+    copy_s, mm_s = copy["us"] * 1e-6, mm["us"] * 1e-6
+    return {"copy_bw": 2 * COPY_BYTES / copy_s, "mm_rate": 2 * MM_N**3 / mm_s,
+            "j_per_byte": (copy["W"] - idle["W"]) * copy_s / (2 * COPY_BYTES),
+            "j_per_flop": (mm["W"] - idle["W"]) * mm_s / (2 * MM_N**3),
+            "dynamic_limit_w": mm["limit W"] - idle["W"]}
+
+
+def floors(shape, rates: dict) -> dict:
+    """The shape's roofline floor (bench_cascade's: the cascade's bytes and FLOPs at the
+    references' rates) and its energy floor: the same bytes and FLOPs at the references'
+    energies beyond idle, within the power the limit leaves above idle."""
+    roofline = max(shape.io_bytes / rates["copy_bw"], shape.flops / rates["mm_rate"])
+    energy = (shape.io_bytes * rates["j_per_byte"] + shape.flops * rates["j_per_flop"]) / rates["dynamic_limit_w"]
+    return {"roofline floor us": roofline * 1e6, "energy floor us": energy * 1e6}
+
+
+def shape_runs(wl) -> list[tuple[str, list]]:
+    """The levels alone and the cascade, on each kernel that runs here."""
+    from cascadeinfer import batch_decode_paged  # noqa: PLC0415
+    from cascadeinfer.kernels.backend import hopper_unavailable  # noqa: PLC0415
+
+    outs, lses = wl.out_buffers()
+    all_heads = [lambda i=i: batch_decode_paged(wl.qs[i], wl.pools[i], wl.kv_indptr[1], wl.kv_indices[1],
+                                                wl.kv_last[1], out=outs[i], lse=lses[i], validate=False,
+                                                schedule="all_heads") for i in range(wl.rot)]
+    runs = [("prefix level alone", level_alone_calls(wl, 0, "portable")),
+            ("decode level alone", level_alone_calls(wl, 1)),
+            ("decode level alone, all_heads", all_heads),
+            ("cascade", [ours(wl, use_cascade=True).call(i) for i in range(wl.rot)])]
+    if hopper_unavailable(wl.device) is None:
+        runs += [("prefix level alone, Hopper", level_alone_calls(wl, 0, "hopper")),
+                 ("cascade, Hopper prefix", [ours(wl, use_cascade=True, backend="hopper").call(i)
+                                             for i in range(wl.rot)])]
+    return runs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", nargs="*", default=list(ENGINE_SHAPES), help="batch,prefix,suffix triples")
+    ap.add_argument("--seconds", type=float, default=3.0, help="how long each run replays")
+    ap.add_argument("--json", metavar="PATH")
+    args = ap.parse_args()
+    device = gpu_start("probe_power")
+    sampler = Sampler(device)
+    rows = []
+    try:
+        time.sleep(1.5)
+        idle = sampler.between(time.perf_counter() - 1.0, time.perf_counter())
+        if not idle:
+            raise SystemExit("probe_power: no samples from nvidia-smi")
+        rows.append({"run": "idle", "W": statistics.median(s[1] for s in idle),
+                     "SM MHz": statistics.median(s[2] for s in idle), "limit W": idle[-1][4]})
+        ref = {}
+        for name, fns in reference_calls(device):
+            ref[name] = run_loop(name, fns, args.seconds, sampler)
+            rows.append(ref[name])
+            print("#", rows[-1], flush=True)
+        rates = energy_rates(rows[0], ref["matmul"], ref["copy"])
+        print("#", rates, flush=True)
+        for text, shape, wl in shape_workloads(args.shapes, device):
+            bounds = floors(shape, rates)
+            for name, fns in shape_runs(wl):
+                try:
+                    row = {"shape": text, **run_loop(f"{text} {name}", fns, args.seconds, sampler)}
+                except ValueError as e:  # backend="hopper" where its kernel declines the level
+                    print(f"# {text} {name}: {e}", flush=True)
+                    torch.cuda.synchronize()
+                    continue
+                if name.startswith("cascade"):
+                    row.update(bounds)
+                    row["of roofline"] = bounds["roofline floor us"] / row["us"]
+                    row["of energy floor"] = bounds["energy floor us"] / row["us"]
+                rows.append(row)
+                print("#", row, flush=True)
+            del wl
+            torch.cuda.empty_cache()
+    finally:
+        sampler.close()
+    columns = ["run", "us", "W", "SM MHz", "power capped", "uJ per call", "roofline floor us", "energy floor us",
+               "of roofline", "of energy floor", "samples"]
+    print(markdown_table(rows, columns))
+    write_json(args.json, {"environment": environment(), "args": vars(args), "query": sampler.query, "rates": rates,
+                           "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
