@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import math
 from types import SimpleNamespace
@@ -410,7 +409,6 @@ def test_bench_floors_by_hand():
                                                                         (1000 + (12 + 2) * 2) / 100])
     assert w.decode_floors(costs, compute_bound, 2)[0] == pytest.approx((2 * 10 * 2 + 2 * 5 * 2 + 3 * 14) / 10)
     assert len(w.decode_floors(costs, compute_bound, 1)) == 4  # two waves of one request
-    assert costs.step_work(**w.decode_steps(2)[0]) == (1000 + (10 + 2) * 2, 2 * 10 * 2 + 2 * 5 * 2 + 3 * 14)
     llama = ModelCosts.of(preset("llama3-8b"), 15 * 10**9, 2)
     assert llama.body_params + llama.head_params == pytest.approx(7.5e9, rel=0.01)
     assert llama.kv_bytes_per_token == 128 * 1024 and llama.flops_per_pair == 4 * 32 * 32 * 128
@@ -505,41 +503,30 @@ def test_host_tensor_copies_a_list_exactly():
         host_tensor([2**31], torch.int32)
 
 
-def test_engine_energy_floor_tool(tmp_path, capsys, monkeypatch):
-    """benchmarks/tools/engine_energy_floor: the decode steps located in the power log by
-    the run's end and their times, the floors from the bench's bytes and FLOPs."""
+def test_engine_power_tool(tmp_path, capsys, monkeypatch):
+    """benchmarks/tools/engine_power: the decode steps located in the power log by the
+    run's end and their times; the samples outside them left out."""
     import json  # noqa: PLC0415
     import sys  # noqa: PLC0415
 
-    from benchmarks.tools import engine_energy_floor  # noqa: PLC0415
-    from cascadeinfer.engine.bench import ModelCosts, Workload  # noqa: PLC0415
-    from cascadeinfer.engine.model_loader import preset  # noqa: PLC0415
+    from benchmarks.tools import engine_power  # noqa: PLC0415
 
-    wl = {"requests": 2, "prefix": 16, "suffix": 4, "new_tokens": 3, "model": "tiny", "num_layers": 2,
-          "tensor_parallel_size": 1, "dtype": "float32", "max_num_seqs": 2}
     end = 1_800_000_000.0
-    bench = {"workload": wl, "rows": [{"mode": "cascade", "weights_gb": 1e-3, "decode_steps_ms": [100.0, 300.0],
-                                       "ended_unix_s": end}]}
-    rates = {"copy_bw": 1e9, "mm_rate": 1e12, "j_per_byte": 1e-9, "j_per_flop": 1e-12, "dynamic_limit_w": 100.0}
-    lines = []  # 500 W before the steps, 300 W and 1500 MHz capped during them, 80 W after
-    for t, watts, mhz, reasons in [(end - 1.0, 500, 1980, 0), (end - 0.3, 300, 1500, 4), (end - 0.1, 300, 1500, 4),
+    bench = {"rows": [{"mode": "cascade", "decode_steps_ms": [100.0, 300.0], "ended_unix_s": end}]}
+    lines = ["timestamp, power.draw.instant [W], clocks.current.sm [MHz], clocks_event_reasons.active"]
+    # 500 W before the steps, 300 W at 1500-1600 MHz capped during them, 80 W after
+    for t, watts, mhz, reasons in [(end - 1.0, 500, 1980, 0), (end - 0.3, 300, 1500, 4), (end - 0.1, 300, 1600, 4),
                                    (end + 0.5, 80, 345, 0)]:
         stamp = datetime.datetime.fromtimestamp(t, datetime.UTC).strftime("%Y/%m/%d %H:%M:%S.%f")[:-3]
         lines.append(f"{stamp}, {watts} W, {mhz} MHz, 0x{reasons:016x}")
-    paths = {}
-    for name, text in (("bench", json.dumps(bench)), ("probe", json.dumps({"rates": rates})), ("smi", "\n".join(lines))):
-        paths[name] = tmp_path / name
-        paths[name].write_text(text)
+    (tmp_path / "bench.json").write_text(json.dumps(bench))
+    (tmp_path / "smi.csv").write_text("\n".join(lines))
     out = tmp_path / "out.json"
-    monkeypatch.setattr(sys, "argv", ["x", "--bench", str(paths["bench"]), "--probe", str(paths["probe"]),
-                                      "--smi", str(paths["smi"]), "--json", str(out)])
-    engine_energy_floor.main()
+    monkeypatch.setattr(sys, "argv", ["x", "--bench", str(tmp_path / "bench.json"), "--smi", str(tmp_path / "smi.csv"),
+                                      "--json", str(out)])
+    engine_power.main()
     got = json.loads(out.read_text())
-    assert got["samples"] == 2 and got["W"] == 300 and got["SM MHz"] == 1500 and got["power capped"] == 1
-    assert got["decode step ms"] == pytest.approx(200.0) and got["J per step"] == pytest.approx(60.0)
-    mc = dataclasses.replace(preset("tiny"), num_layers=2)
-    costs = ModelCosts.of(mc, 10**6, 4)
-    work = [costs.step_work(**w) for w in Workload(2, 16, 4, 3).decode_steps(2)]
-    energy = sorted((b * 1e-9 + f * 1e-12) / 100.0 for b, f in work)
-    assert got["energy floor ms"] == pytest.approx(sum(energy) / 2 * 1e3)  # the median of two
-    assert "energy floor ms" in capsys.readouterr().out
+    assert got["samples"] == 2 and got["W"] == 300 and got["SM MHz"] == 1550 and got["SM MHz range"] == [1500, 1600]
+    assert got["power capped"] == 1 and got["decode step ms"] == pytest.approx(200.0)
+    assert got["J per step"] == pytest.approx(60.0)
+    assert "J per step" in capsys.readouterr().out

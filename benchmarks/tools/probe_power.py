@@ -13,19 +13,16 @@ tokens of their own), the prefix level alone (``batch_prefill_paged``, its defau
 on the portable kernel and, on compute capability 9.0, the Hopper one), the decode level
 alone (``batch_decode_paged``, its default schedule and ``"all_heads"``) and the cascade
 (``MultiLevelCascadeAttention``, its default plan and with the Hopper prefix level), after
-a bf16 matmul and a copy as references, each replayed from CUDA graphs (inputs rotated past
+a bf16 matmul, a copy and a read (a sum over 2 GiB) as references, each replayed from CUDA graphs (inputs rotated past
 L2, as the benchmarks time them) back to back for ``--seconds`` while ``nvidia-smi`` samples
 the board's instant power, SM clock and clock-event reasons every 20 ms.
 
 Printed per run: µs per call over the whole loop, the median power and SM clock of the
 samples inside it, the share of samples that report the software power cap, and the
-energy per call (median power × time). For the cascades also two floors: the roofline
-floor of ``bench_cascade`` (the cascade's bytes and FLOPs at the copy's and the matmul's
-rates of this run) and an energy floor, the same bytes and FLOPs at the copy's energy per
-byte and the matmul's per FLOP (each beyond the idle board's power) within the power the
-limit leaves above idle. A cascade near its energy floor can only get faster by spending
-fewer joules per byte and per FLOP; one at the power limit with its clock lowered is
-bound by energy, whatever its kernels overlap.
+energy per call (median power × time). A cascade at the power limit with its clock lowered,
+whose energy per call is about the sum of its levels' alone, is bound by energy: however
+its kernels overlap, they take about the time their joules take at the limit, and only
+kernels that spend fewer joules per call make it faster.
 """
 
 from __future__ import annotations
@@ -139,37 +136,19 @@ def run_loop(name: str, fns, seconds: float, sampler: Sampler) -> dict:
             "uJ per call": power * call_s * 1e6, "samples": len(got), "limit W": got[-1][4]}
 
 
-def reference_calls(device: torch.device) -> list[tuple[str, list]]:
-    """A bf16 matmul (``MM_N``³) and a copy of ``COPY_BYTES``, each one call."""
-    a = torch.randn(MM_N, MM_N, device=device, dtype=torch.bfloat16)
-    b, c = torch.randn_like(a), torch.empty_like(a)
-    src = torch.empty(COPY_BYTES // 4, device=device, dtype=torch.float32)
-    dst = torch.empty_like(src)
-    return [("matmul", [lambda: torch.mm(a, b, out=c)]), ("copy", [lambda: torch.add(src, 0, out=dst)])]
-
-
 MM_N = 8192
 COPY_BYTES = 2**31
 
 
-def energy_rates(idle: dict, mm: dict, copy: dict) -> dict:
-    """The references' rates and energies beyond idle: bytes/s and J per byte of the copy
-    (read + write), FLOP/s and J per FLOP of the matmul, and the power left above idle
-    under the limit."""
-    copy_s, mm_s = copy["us"] * 1e-6, mm["us"] * 1e-6
-    return {"copy_bw": 2 * COPY_BYTES / copy_s, "mm_rate": 2 * MM_N**3 / mm_s,
-            "j_per_byte": (copy["W"] - idle["W"]) * copy_s / (2 * COPY_BYTES),
-            "j_per_flop": (mm["W"] - idle["W"]) * mm_s / (2 * MM_N**3),
-            "dynamic_limit_w": mm["limit W"] - idle["W"]}
-
-
-def floors(shape, rates: dict) -> dict:
-    """The shape's roofline floor (bench_cascade's: the cascade's bytes and FLOPs at the
-    references' rates) and its energy floor: the same bytes and FLOPs at the references'
-    energies beyond idle, within the power the limit leaves above idle."""
-    roofline = max(shape.io_bytes / rates["copy_bw"], shape.flops / rates["mm_rate"])
-    energy = (shape.io_bytes * rates["j_per_byte"] + shape.flops * rates["j_per_flop"]) / rates["dynamic_limit_w"]
-    return {"roofline floor us": roofline * 1e6, "energy floor us": energy * 1e6}
+def reference_calls(device: torch.device) -> list[tuple[str, list]]:
+    """A bf16 matmul (``MM_N``³), a copy of ``COPY_BYTES`` and a sum over them (a read), each one call."""
+    a = torch.randn(MM_N, MM_N, device=device, dtype=torch.bfloat16)
+    b, c = torch.randn_like(a), torch.empty_like(a)
+    src = torch.rand(COPY_BYTES // 4, device=device, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    total = torch.empty((), device=device, dtype=torch.float32)
+    return [("matmul", [lambda: torch.mm(a, b, out=c)]), ("copy", [lambda: torch.add(src, 0, out=dst)]),
+            ("read", [lambda: torch.sum(src, 0, out=total)])]
 
 
 def shape_runs(wl) -> list[tuple[str, list]]:
@@ -208,37 +187,25 @@ def main() -> None:
             raise SystemExit("probe_power: no samples from nvidia-smi")
         rows.append({"run": "idle", "W": statistics.median(s[1] for s in idle),
                      "SM MHz": statistics.median(s[2] for s in idle), "limit W": idle[-1][4]})
-        ref = {}
         for name, fns in reference_calls(device):
-            ref[name] = run_loop(name, fns, args.seconds, sampler)
-            rows.append(ref[name])
+            rows.append(run_loop(name, fns, args.seconds, sampler))
             print("#", rows[-1], flush=True)
-        rates = energy_rates(rows[0], ref["matmul"], ref["copy"])
-        print("#", rates, flush=True)
-        for text, shape, wl in shape_workloads(args.shapes, device):
-            bounds = floors(shape, rates)
+        for text, _, wl in shape_workloads(args.shapes, device):
             for name, fns in shape_runs(wl):
                 try:
-                    row = {"shape": text, **run_loop(f"{text} {name}", fns, args.seconds, sampler)}
+                    rows.append({"shape": text, **run_loop(f"{text} {name}", fns, args.seconds, sampler)})
                 except ValueError as e:  # backend="hopper" where its kernel declines the level
                     print(f"# {text} {name}: {e}", flush=True)
                     torch.cuda.synchronize()
                     continue
-                if name.startswith("cascade"):
-                    row.update(bounds)
-                    row["of roofline"] = bounds["roofline floor us"] / row["us"]
-                    row["of energy floor"] = bounds["energy floor us"] / row["us"]
-                rows.append(row)
-                print("#", row, flush=True)
+                print("#", rows[-1], flush=True)
             del wl
             torch.cuda.empty_cache()
     finally:
         sampler.close()
-    columns = ["run", "us", "W", "SM MHz", "power capped", "uJ per call", "roofline floor us", "energy floor us",
-               "of roofline", "of energy floor", "samples"]
+    columns = ["run", "us", "W", "SM MHz", "power capped", "uJ per call", "samples"]
     print(markdown_table(rows, columns))
-    write_json(args.json, {"environment": environment(), "args": vars(args), "query": sampler.query, "rates": rates,
-                           "rows": rows})
+    write_json(args.json, {"environment": environment(), "args": vars(args), "query": sampler.query, "rows": rows})
 
 
 if __name__ == "__main__":

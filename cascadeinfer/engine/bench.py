@@ -209,18 +209,13 @@ class ModelCosts:
                    kv_bytes_per_token=2 * mc.num_layers * mc.num_kv_heads // n * d * elem_bytes,
                    flops_per_pair=4 * mc.num_layers * mc.num_qo_heads // n * d)
 
-    def step_work(self, *, tokens: int, logits: int, pairs: int, kv_read: int,
-                  weight_reads: int = 1) -> tuple[int, int]:
-        """``(bytes, FLOPs)`` of ``tokens`` tokens (``logits`` of them with logits) that
+    def step_floor(self, ceil: Ceilings, *, tokens: int, logits: int, pairs: int, kv_read: int,
+                   weight_reads: int = 1) -> float:
+        """Seconds at least for ``tokens`` tokens (``logits`` of them with logits) that
         attend ``pairs`` (query, key) pairs, read ``kv_read`` tokens' K/V and write their
         own, reading the weights ``weight_reads`` times."""
         nbytes = weight_reads * self.weight_bytes + (kv_read + tokens) * self.kv_bytes_per_token
         flops = 2 * self.body_params * tokens + 2 * self.head_params * logits + self.flops_per_pair * pairs
-        return nbytes, flops
-
-    def step_floor(self, ceil: Ceilings, **work) -> float:
-        """Seconds at least for the step of :meth:`step_work` (same arguments)."""
-        nbytes, flops = self.step_work(**work)
         return max(nbytes / ceil.copy_bytes_per_s, flops / ceil.matmul_flops_per_s)
 
 
@@ -259,18 +254,14 @@ class Workload:
     def decode_floors(self, costs: ModelCosts, ceil: Ceilings, max_batch: int) -> list[float]:
         """Floors of the decode steps after the prefill: ``new_tokens - 1`` per wave of at
         most ``max_batch`` requests, the prefix read once per step."""
-        return [costs.step_floor(ceil, **work) for work in self.decode_steps(max_batch)]
-
-    def decode_steps(self, max_batch: int) -> list[dict]:
-        """:meth:`ModelCosts.step_work`'s arguments for each decode step after the prefill."""
-        steps = []
+        floors = []
         for first in range(0, self.requests, max_batch):
             batch = min(max_batch, self.requests - first)
             for k in range(1, self.new_tokens):
                 keys = self.prefix + self.suffix + k  # the fed token included
-                steps.append(dict(tokens=batch, logits=batch, pairs=batch * keys,
-                                  kv_read=self.prefix + batch * (keys - self.prefix)))
-        return steps
+                floors.append(costs.step_floor(ceil, tokens=batch, logits=batch, pairs=batch * keys,
+                                               kv_read=self.prefix + batch * (keys - self.prefix)))
+        return floors
 
 
 def decode_step_floor(costs: ModelCosts, ceil: Ceilings, step) -> float:
