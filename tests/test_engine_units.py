@@ -505,18 +505,21 @@ def test_host_tensor_copies_a_list_exactly():
 
 def test_engine_power_tool(tmp_path, capsys, monkeypatch):
     """benchmarks/tools/engine_power: the decode steps located in the power log by the
-    run's end and their times; the samples outside them left out."""
+    run's end and their times, the samples outside them left out; each step's own samples,
+    and the steps' GPU times against their clock."""
     import json  # noqa: PLC0415
     import sys  # noqa: PLC0415
 
     from benchmarks.tools import engine_power  # noqa: PLC0415
 
     end = 1_800_000_000.0
-    bench = {"rows": [{"mode": "cascade", "decode_steps_ms": [100.0, 300.0], "ended_unix_s": end}]}
+    # three steps: [end - 0.5, end - 0.4], [end - 0.4, end - 0.1] (the slow one), [end - 0.1, end]
+    bench = {"rows": [{"mode": "cascade", "decode_steps_ms": [100.0, 300.0, 100.0],
+                       "decode_steps_gpu_ms": [99.0, 299.0, 99.0], "ended_unix_s": end}]}
     lines = ["timestamp, power.draw.instant [W], clocks.current.sm [MHz], clocks_event_reasons.active"]
-    # 500 W before the steps, 300 W at 1500-1600 MHz capped during them, 80 W after
-    for t, watts, mhz, reasons in [(end - 1.0, 500, 1980, 0), (end - 0.3, 300, 1500, 4), (end - 0.1, 300, 1600, 4),
-                                   (end + 0.5, 80, 345, 0)]:
+    # 500 W before the steps; at the cap during them, the slow step at the low clock; 80 W after
+    for t, watts, mhz, reasons in [(end - 1.0, 500, 1980, 0), (end - 0.45, 300, 1600, 4), (end - 0.3, 300, 1500, 4),
+                                   (end - 0.2, 300, 1500, 4), (end - 0.05, 300, 1600, 4), (end + 0.5, 80, 345, 0)]:
         stamp = datetime.datetime.fromtimestamp(t, datetime.UTC).strftime("%Y/%m/%d %H:%M:%S.%f")[:-3]
         lines.append(f"{stamp}, {watts} W, {mhz} MHz, 0x{reasons:016x}")
     (tmp_path / "bench.json").write_text(json.dumps(bench))
@@ -526,7 +529,9 @@ def test_engine_power_tool(tmp_path, capsys, monkeypatch):
                                       "--json", str(out)])
     engine_power.main()
     got = json.loads(out.read_text())
-    assert got["samples"] == 2 and got["W"] == 300 and got["SM MHz"] == 1550 and got["SM MHz range"] == [1500, 1600]
-    assert got["power capped"] == 1 and got["decode step ms"] == pytest.approx(200.0)
-    assert got["J per step"] == pytest.approx(60.0)
+    assert got["samples"] == 4 and got["W"] == 300 and got["SM MHz"] == 1550 and got["SM MHz range"] == [1500, 1600]
+    assert got["power capped"] == 1 and got["decode step ms"] == pytest.approx(100.0)
+    assert got["J per step"] == pytest.approx(30.0)
+    assert [(r["step"], r["SM MHz"]) for r in got["steps"]] == [(0, 1600), (1, 1500), (2, 1600)]
+    assert got["corr(step GPU ms, SM MHz)"] == pytest.approx(-1.0)
     assert "J per step" in capsys.readouterr().out

@@ -8,7 +8,10 @@ wall-clock moment its timed run ended locate the full-batch decode steps in time
 --format=csv,noheader -lms 20`` log taken while it ran (timestamps in UTC). Printed: the
 steps' median time, the board's median power and SM clock over them, the share of samples
 at the software power cap, and the energy of the median step (power × time). A step drawing
-the board's limit, with its clock lowered, gets faster only by spending fewer joules.
+the board's limit, with its clock lowered, gets faster only by spending fewer joules. Then
+each step's own samples (each step placed in time by the steps after it): the correlation
+of the steps' GPU times (the bench's ``decode_steps_gpu_ms``) with their mean SM clock, and
+in ``--json`` every step's clock and power.
 """
 
 from __future__ import annotations
@@ -61,11 +64,30 @@ def main() -> None:
               "SM MHz range": [min(s[2] for s in window), max(s[2] for s in window)],
               "power capped": sum(bool(s[3] & SW_POWER_CAP) for s in window) / len(window),
               "J per step": power * step}
+    per_step = each_step(row, smi_samples(args.smi))
+    if len(per_step) >= 3 and row.get("decode_steps_gpu_ms"):
+        gpu = [row["decode_steps_gpu_ms"][i] for i, _, _ in per_step]
+        result["corr(step GPU ms, SM MHz)"] = statistics.correlation(gpu, [mhz for _, mhz, _ in per_step])
     for k, v in result.items():
         print(f"{k}: {v:.4g}" if isinstance(v, float) else f"{k}: {v}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"bench": args.bench, "smi": args.smi, **result}, f, indent=1)
+            json.dump({"bench": args.bench, "smi": args.smi, **result,
+                       "steps": [{"step": i, "SM MHz": mhz, "W": w} for i, mhz, w in per_step]}, f, indent=1)
+
+
+def each_step(row: dict, samples: list) -> list[tuple[int, float, float]]:
+    """``(step, mean SM MHz, mean W)`` of the samples inside each full decode step (the last
+    one ending at the run's end, each earlier one where the next began), steps without a
+    sample left out."""
+    out, end = [], row["ended_unix_s"]
+    for i in range(len(row["decode_steps_ms"]) - 1, -1, -1):
+        start = end - row["decode_steps_ms"][i] * 1e-3
+        got = [s for s in samples if start <= s[0] <= end]
+        if got:
+            out.append((i, statistics.fmean(s[2] for s in got), statistics.fmean(s[1] for s in got)))
+        end = start
+    return out[::-1]
 
 
 if __name__ == "__main__":
