@@ -1,6 +1,6 @@
 """Power and SM clock while the cascade and each of its levels run: is the cascade bound by energy?
 
-    python -m benchmarks.tools.probe_power [--shapes B,P,S ...] [--seconds 3] [--json PATH]
+    python -m benchmarks.tools.probe_power [--shapes B,P,S ...] [--seconds 3] [--gemms TOKENS] [--json PATH]
 
 Beside the prefix level the decode level costs about the time of both levels
 (benchmarks/NOTES.md, "Cascade" v9-v16), though the two want different parts of an SM
@@ -16,6 +16,9 @@ alone (``batch_decode_paged``, its default schedule and ``"all_heads"``) and the
 a bf16 matmul, a copy and a read (a sum over 2 GiB) as references, each replayed from CUDA graphs (inputs rotated past
 L2, as the benchmarks time them) back to back for ``--seconds`` while ``nvidia-smi`` samples
 the board's instant power, SM clock and clock-event reasons every 20 ms.
+
+With ``--gemms TOKENS`` also the weight GEMMs of a Llama-3-8B decode step at that many
+tokens, each alone, and their sum per step.
 
 Printed per run: µs per call over the whole loop, the median power and SM clock of the
 samples inside it, the share of samples that report the software power cap, and the
@@ -151,6 +154,26 @@ def reference_calls(device: torch.device) -> list[tuple[str, list]]:
             ("read", [lambda: torch.sum(src, 0, out=total)])]
 
 
+def gemm_runs(tokens: int, seconds: float, sampler: Sampler) -> list[dict]:
+    """Each weight GEMM of a Llama-3-8B decode step at ``tokens`` tokens (``F.linear``'s
+    cuBLAS call, weight copies rotated past L2: ``tools/probe_gemm``'s operands), then the
+    step's sum: each GEMM's time and energy times its count per step."""
+    from benchmarks.tools.probe_gemm import LLAMA3_8B, operands  # noqa: PLC0415
+
+    rows, us, uj = [], 0.0, 0.0
+    for name, k, n, per_step in LLAMA3_8B:
+        ws, x, outs, _ = operands(tokens, k, n)
+        fns = [lambda w=w, o=o: torch.matmul(x, w.t(), out=o) for w, o in zip(ws, outs)]
+        rows.append({**run_loop(f"GEMM {name} {tokens}x{k}x{n}", fns, seconds, sampler), "per step": per_step})
+        print("#", rows[-1], flush=True)
+        us += rows[-1]["us"] * per_step
+        uj += rows[-1].get("uJ per call", float("nan")) * per_step
+        del ws, outs, fns
+        torch.cuda.empty_cache()
+    rows.append({"run": f"the step's GEMMs ({tokens} tokens)", "us": us, "uJ per call": uj})
+    return rows
+
+
 def shape_runs(wl) -> list[tuple[str, list]]:
     """The levels alone and the cascade, on each kernel that runs here."""
     from cascadeinfer import batch_decode_paged  # noqa: PLC0415
@@ -175,6 +198,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", nargs="*", default=list(ENGINE_SHAPES), help="batch,prefix,suffix triples")
     ap.add_argument("--seconds", type=float, default=3.0, help="how long each run replays")
+    ap.add_argument("--gemms", type=int, metavar="TOKENS",
+                    help="also Llama-3-8B's decode-step weight GEMMs at this many tokens, and their sum per step")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args()
     device = gpu_start("probe_power")
@@ -190,6 +215,8 @@ def main() -> None:
         for name, fns in reference_calls(device):
             rows.append(run_loop(name, fns, args.seconds, sampler))
             print("#", rows[-1], flush=True)
+        if args.gemms:
+            rows += gemm_runs(args.gemms, args.seconds, sampler)
         for text, _, wl in shape_workloads(args.shapes, device):
             for name, fns in shape_runs(wl):
                 try:
