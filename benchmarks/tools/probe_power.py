@@ -155,9 +155,9 @@ def reference_calls(device: torch.device) -> list[tuple[str, list]]:
 
 
 def gemm_runs(tokens: int, seconds: float, sampler: Sampler) -> list[dict]:
-    """Each weight GEMM of a Llama-3-8B decode step at ``tokens`` tokens (``F.linear``'s
-    cuBLAS call, weight copies rotated past L2: ``tools/probe_gemm``'s operands), then the
-    step's sum: each GEMM's time and energy times its count per step."""
+    """Each weight GEMM of a Llama-3-8B decode step at ``tokens`` tokens (``torch.matmul``
+    into a buffer, cuBLAS; weight copies rotated past L2: ``tools/probe_gemm``'s operands),
+    then the step's sum: each GEMM's time and energy times its count per step."""
     from benchmarks.tools.probe_gemm import LLAMA3_8B, operands  # noqa: PLC0415
 
     rows, us, uj = [], 0.0, 0.0
