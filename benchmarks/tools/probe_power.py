@@ -1,6 +1,7 @@
 """Power and SM clock while the cascade and each of its levels run: is the cascade bound by energy?
 
-    python -m benchmarks.tools.probe_power [--shapes B,P,S ...] [--seconds 3] [--gemms TOKENS] [--json PATH]
+    python -m benchmarks.tools.probe_power [--shapes B,P,S ...] [--seconds 3] [--gemms TOKENS] [--full-clock]
+        [--json PATH]
 
 Beside the prefix level the decode level costs about the time of both levels
 (benchmarks/NOTES.md, "Cascade" v9-v16), though the two want different parts of an SM
@@ -17,8 +18,13 @@ a bf16 matmul, a copy and a read (a sum over 2 GiB) as references, each replayed
 L2, as the benchmarks time them) back to back for ``--seconds`` while ``nvidia-smi`` samples
 the board's instant power, SM clock and clock-event reasons every 20 ms.
 
-With ``--gemms TOKENS`` also the weight GEMMs of a Llama-3-8B decode step at that many
-tokens, each alone, and their sum per step.
+With ``--full-clock`` also a matmul, a read and each level alone at half duty (each group
+of calls followed by a spin on one SM as long), so the board stays under its limit at full
+clock: their joules per call above a busy board's own power, comparable between kernels at
+the same clock (a matmul alone runs at the limit with its clock lowered, so its joules per
+FLOP there are not the prefix level's at full clock). With ``--gemms TOKENS`` also the
+weight GEMMs of a Llama-3-8B decode step at that many tokens, each alone, and their sum
+per step.
 
 Printed per run: µs per call over the whole loop, the median power and SM clock of the
 samples inside it, the share of samples that report the software power cap, and the
@@ -174,6 +180,69 @@ def gemm_runs(tokens: int, seconds: float, sampler: Sampler) -> list[dict]:
     return rows
 
 
+FULL_CLOCK_HZ = 1.98e9  # the H200's SM clock when the power allows (what the spins count in)
+
+
+def full_clock_run(name: str, fns, seconds: float, sampler: Sampler) -> dict:
+    """``fns``' calls at half duty: each group of calls followed by a spin of about the same
+    time (``torch.cuda._sleep`` on one SM), so the board's average power stays under its
+    limit and the clock up; then the spins alone. The calls' own time is the difference of
+    the two loops' periods, and their energy what the board draws above the spinning
+    board's power over the mixed loop: joules per call at full clock, above a busy board's
+    own power (where :func:`run_loop`'s are at whatever clock the limit leaves, above idle)."""
+    one = replay_seconds(graph_of(fns), 3) / 3
+    cycles = max(1, round(one * FULL_CLOCK_HZ))
+    repeats = max(1, round(REPLAY_SECONDS / (2 * one)))
+
+    def mixed():
+        for f in fns:
+            f()
+        torch.cuda._sleep(cycles)
+
+    def spin():
+        torch.cuda._sleep(cycles)
+
+    out = {"run": f"{name}, half duty"}
+    for label, body in (("mix", mixed), ("spin", spin)):
+        graph = graph_of([body], repeats)
+        period = replay_seconds(graph, 2) / 2
+        replays = max(10, round(seconds / period))
+        t0 = time.perf_counter()
+        elapsed = replay_seconds(graph, replays)
+        t1 = time.perf_counter()
+        got = sampler.between(t0 + SETTLE * (t1 - t0), t1)
+        if not got:
+            return {**out, "samples": 0}
+        out[f"{label} us"] = elapsed / (replays * repeats) * 1e6
+        out[f"{label} W"] = statistics.median(x[1] for x in got)
+        out[f"{label} SM MHz"] = statistics.median(x[2] for x in got)
+        out[f"{label} capped"] = sum(bool(x[3] & SW_POWER_CAP) for x in got) / len(got)
+    out["us"] = (out["mix us"] - out["spin us"]) / len(fns)
+    out["uJ per call above spin"] = (out["mix W"] - out["spin W"]) * out["mix us"] / len(fns)
+    return out
+
+
+def full_clock_rows(wl, seconds: float, sampler: Sampler) -> list[dict]:
+    """A matmul (4096³), a read of 512 MiB and the levels alone at ``wl``'s shape, each at half duty."""
+    device = wl.device
+    a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+    b, c = torch.randn_like(a), torch.empty_like(a)
+    src = torch.rand(2**27, device=device, dtype=torch.float32)
+    total = torch.empty((), device=device, dtype=torch.float32)
+    runs = [("matmul 4096^3", [lambda: torch.mm(a, b, out=c)]), ("read 512 MiB", [lambda: torch.sum(src, 0, out=total)])]
+    runs += [(f"{wl.shape.batch},{wl.shape.prefix},{wl.shape.suffix} {name}", fns)
+             for name, fns in shape_runs(wl) if not name.startswith("cascade")]
+    rows = []
+    for name, fns in runs:
+        try:
+            rows.append(full_clock_run(name, fns, seconds, sampler))
+        except ValueError as e:  # backend="hopper" where its kernel declines the level
+            print(f"# {name}: {e}", flush=True)
+            continue
+        print("#", rows[-1], flush=True)
+    return rows
+
+
 def shape_runs(wl) -> list[tuple[str, list]]:
     """The levels alone and the cascade, on each kernel that runs here."""
     from cascadeinfer import batch_decode_paged  # noqa: PLC0415
@@ -200,11 +269,13 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=3.0, help="how long each run replays")
     ap.add_argument("--gemms", type=int, metavar="TOKENS",
                     help="also Llama-3-8B's decode-step weight GEMMs at this many tokens, and their sum per step")
+    ap.add_argument("--full-clock", action="store_true",
+                    help="also a matmul, a read and each level alone at half duty, below the power limit")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args()
     device = gpu_start("probe_power")
     sampler = Sampler(device)
-    rows = []
+    rows, full_clock = [], []
     try:
         time.sleep(1.5)
         idle = sampler.between(time.perf_counter() - 1.0, time.perf_counter())
@@ -218,6 +289,8 @@ def main() -> None:
         if args.gemms:
             rows += gemm_runs(args.gemms, args.seconds, sampler)
         for text, _, wl in shape_workloads(args.shapes, device):
+            if args.full_clock:
+                full_clock += full_clock_rows(wl, args.seconds, sampler)
             for name, fns in shape_runs(wl):
                 try:
                     rows.append({"shape": text, **run_loop(f"{text} {name}", fns, args.seconds, sampler)})
@@ -232,7 +305,11 @@ def main() -> None:
         sampler.close()
     columns = ["run", "us", "W", "SM MHz", "power capped", "uJ per call", "samples"]
     print(markdown_table(rows, columns))
-    write_json(args.json, {"environment": environment(), "args": vars(args), "query": sampler.query, "rows": rows})
+    if full_clock:
+        print(markdown_table(full_clock, ["run", "us", "mix W", "spin W", "mix SM MHz", "mix capped",
+                                          "uJ per call above spin"]))
+    write_json(args.json, {"environment": environment(), "args": vars(args), "query": sampler.query, "rows": rows,
+                           "full_clock": full_clock})
 
 
 if __name__ == "__main__":
