@@ -180,7 +180,7 @@ def gemm_runs(tokens: int, seconds: float, sampler: Sampler) -> list[dict]:
     return rows
 
 
-FULL_CLOCK_HZ = 1.98e9  # the H200's SM clock when the power allows (what the spins count in)
+FULL_CLOCK_HZ = 1.98e9  # the H100's and H200's SM clock when the power allows (what the spins count in)
 
 
 def full_clock_run(name: str, fns, seconds: float, sampler: Sampler) -> dict:
