@@ -124,25 +124,36 @@ SETTLE = 0.25  # the share of each loop's samples left out while the clock and p
 REPLAY_SECONDS = 0.01
 
 
-def run_loop(name: str, fns, seconds: float, sampler: Sampler) -> dict:
-    """Replay ``fns``' calls back to back for about ``seconds`` (graphs of about
-    ``REPLAY_SECONDS`` each); time per call and the samples taken while the loop ran (its
-    first ``SETTLE`` left out)."""
-    one = replay_seconds(graph_of(fns), 3) / 3
-    repeats = max(1, round(REPLAY_SECONDS / one))
-    graph = graph_of(fns, repeats)
-    replays = max(10, round(seconds / (one * repeats)))
+def sampled_replays(graph: torch.cuda.CUDAGraph, replay_s: float, seconds: float,
+                    sampler: Sampler) -> tuple[float, dict | None]:
+    """Replay ``graph`` (about ``replay_s`` each) back to back for about ``seconds``: seconds
+    per replay, and the median power, SM clock, share at the power cap and count of the
+    samples taken meanwhile (its first ``SETTLE`` left out; None without samples)."""
+    replays = max(10, round(seconds / replay_s))
     t0 = time.perf_counter()
     elapsed = replay_seconds(graph, replays)
     t1 = time.perf_counter()
-    call_s = elapsed / (replays * repeats * len(fns))
     got = sampler.between(t0 + SETTLE * (t1 - t0), t1)
     if not got:
+        return elapsed / replays, None
+    return elapsed / replays, {"W": statistics.median(s[1] for s in got), "SM MHz": statistics.median(s[2] for s in got),
+                               "power capped": sum(bool(s[3] & SW_POWER_CAP) for s in got) / len(got),
+                               "samples": len(got), "limit W": got[-1][4]}
+
+
+def run_loop(name: str, fns, seconds: float, sampler: Sampler) -> dict:
+    """Replay ``fns``' calls back to back for about ``seconds`` (graphs of about
+    ``REPLAY_SECONDS`` each): time per call, the board's samples meanwhile
+    (:func:`sampled_replays`) and the energy per call."""
+    one = replay_seconds(graph_of(fns), 3) / 3
+    repeats = max(1, round(REPLAY_SECONDS / one))
+    per_replay, board = sampled_replays(graph_of(fns, repeats), one * repeats, seconds, sampler)
+    call_s = per_replay / (repeats * len(fns))
+    if board is None:
         return {"run": name, "us": call_s * 1e6, "samples": 0}
-    power = statistics.median(s[1] for s in got)
-    return {"run": name, "us": call_s * 1e6, "W": power, "SM MHz": statistics.median(s[2] for s in got),
-            "power capped": sum(bool(s[3] & SW_POWER_CAP) for s in got) / len(got),
-            "uJ per call": power * call_s * 1e6, "samples": len(got), "limit W": got[-1][4]}
+    return {"run": name, "us": call_s * 1e6, "W": board["W"], "SM MHz": board["SM MHz"],
+            "power capped": board["power capped"], "uJ per call": board["W"] * call_s * 1e6,
+            "samples": board["samples"], "limit W": board["limit W"]}
 
 
 MM_N = 8192
@@ -205,18 +216,13 @@ def full_clock_run(name: str, fns, seconds: float, sampler: Sampler) -> dict:
     out = {"run": f"{name}, half duty"}
     for label, body in (("mix", mixed), ("spin", spin)):
         graph = graph_of([body], repeats)
-        period = replay_seconds(graph, 2) / 2
-        replays = max(10, round(seconds / period))
-        t0 = time.perf_counter()
-        elapsed = replay_seconds(graph, replays)
-        t1 = time.perf_counter()
-        got = sampler.between(t0 + SETTLE * (t1 - t0), t1)
-        if not got:
+        per_replay, board = sampled_replays(graph, replay_seconds(graph, 2) / 2, seconds, sampler)
+        if board is None:
             return {**out, "samples": 0}
-        out[f"{label} us"] = elapsed / (replays * repeats) * 1e6
-        out[f"{label} W"] = statistics.median(x[1] for x in got)
-        out[f"{label} SM MHz"] = statistics.median(x[2] for x in got)
-        out[f"{label} capped"] = sum(bool(x[3] & SW_POWER_CAP) for x in got) / len(got)
+        out[f"{label} us"] = per_replay / repeats * 1e6
+        out[f"{label} W"] = board["W"]
+        out[f"{label} SM MHz"] = board["SM MHz"]
+        out[f"{label} capped"] = board["power capped"]
     out["us"] = (out["mix us"] - out["spin us"]) / len(fns)
     out["uJ per call above spin"] = (out["mix W"] - out["spin W"]) * out["mix us"] / len(fns)
     return out
