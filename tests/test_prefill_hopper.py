@@ -141,12 +141,15 @@ def test_prefill_declines_reasons(monkeypatch, change, reason):
 
 
 @pytest.mark.parametrize("tokens,hkv,d,keys,groups,expect", [
-    (256, 8, 128, 8192, 1, "hopper"),  # 1024 packed rows x 8192 keys: the bound at head_dim 128
-    (255, 8, 128, 8192, 1, "portable"),
+    (256, 8, 128, 8192, 1, "hopper"),  # 1024 packed rows x 8192 keys: 2^23
+    (127, 8, 128, 8192, 1, "portable"),  # 508 rows: below both bounds
+    (63, 8, 128, 65536, 1, "portable"),  # 252 rows
     (64, 8, 128, 32768, 1, "hopper"),  # 256 rows: the fewest it takes
     (512, 8, 128, 4096, 1, "hopper"),
     (64, 8, 128, 16384, 1, "portable"),
-    (128, 8, 128, 8192, 1, "portable"),  # measured 1.09x: below the 10% rule
+    (128, 8, 128, 8192, 1, "hopper"),  # 512 rows x 8192 keys (2^22): 1.12x (v8, H200)
+    (256, 8, 128, 4096, 1, "hopper"),  # 1024 rows x 4096 keys (2^22): 1.14x
+    (128, 8, 128, 4096, 1, "portable"),  # 2^21
     (128, 32, 128, 65536, 1, "portable"),  # 128 rows (one head per group), memory-bound: 0.99x
     (512, 32, 128, 32768, 1, "hopper"),
     (128, 1, 128, 8192, 1, "hopper"),  # 4096 rows (GQA 32)
@@ -156,8 +159,8 @@ def test_prefill_declines_reasons(monkeypatch, change, reason):
 ])
 def test_hopper_default_rule(monkeypatch, tokens, hkv, d, keys, groups, expect):
     """backend=None takes the Hopper kernel for one group of >= 256 packed rows and >= 2^23
-    (head_dim 128) or 2^25 (64) packed rows x keys: the shapes where it measured >= 10%
-    faster; "portable" never does."""
+    packed rows x keys or >= 512 rows and >= 2^22 (head_dim 128), >= 256 rows and 2^25
+    (64): the shapes where it measured >= 10% faster; "portable" never does."""
     monkeypatch.setattr(B, "hopper_unavailable", lambda device: None)
     q = _FakeTensor((tokens, 32, d))
     kv = _AlignedKV(_meta_source(hkv=hkv, d=d, num_indices=keys // 16))
@@ -168,8 +171,9 @@ def test_hopper_default_rule(monkeypatch, tokens, hkv, d, keys, groups, expect):
 @pytest.mark.parametrize("batch,prefix,backend,groups,expect", [
     (128, 32768, None, 1, None),  # 512 packed rows over 32K keys: 2^24
     (64, 32768, None, 1, None),  # 256 rows: 2^23
-    (64, 16384, None, 1, "portable"),  # 2^22
-    (256, 4096, None, 1, "portable"),  # the engine's prefix level: 1024 rows over 4K keys
+    (64, 16384, None, 1, "portable"),  # 256 rows: 2^22
+    (256, 4096, None, 1, None),  # the engine's prefix level: 1024 rows over 4K keys, 2^22
+    (128, 4096, None, 1, "portable"),  # 512 rows: 2^21
     (128, 32768, None, 2, "portable"),  # two groups
     (64, 16384, "hopper", 1, "hopper"),
     (128, 32768, "portable", 1, "portable"),

@@ -5,12 +5,13 @@
         --modes cascade --skip-check --json PATH
 
 The cascade's prefill levels take the Hopper kernel where ``backend=None``'s shape bounds
-hold (``kernels.backend.hopper_prefill_shape``: one group of at least
-``HOPPER_PREFILL_MIN_ROWS`` packed rows and ``HOPPER_PREFILL_MIN_WORK`` packed rows x keys).
-This runs the engine's command line (everything after ``--``) with the head_dim-128 work
-bound set to ``2 ** --min-work`` instead, so a bound can be timed in the engine's own step
+hold (``kernels.backend.hopper_prefill_shape``: one group whose packed rows and packed
+rows x keys reach one of ``HOPPER_PREFILL_BOUNDS``'s pairs). This runs the engine's command
+line (everything after ``--``) with the head_dim-128 bounds replaced by one, 256 packed rows
+and ``2 ** --min-work`` packed rows x keys, so a bound can be timed in the engine's own step
 before it moves: at 22, the engine's prefix level of 256 requests (1,024 packed rows over
-4,096 keys) takes the Hopper kernel; the default, 23, leaves it on the portable one.
+4,096 keys) takes the Hopper kernel (as the default bounds now do); at 23 it stays on the
+portable one.
 Everything else (devices, Triton versions, layouts the Hopper kernel declines) falls back
 as always.
 """
@@ -33,8 +34,8 @@ def main() -> None:
     from cascadeinfer.engine.cli import main as cli  # noqa: PLC0415
     from cascadeinfer.kernels import backend  # noqa: PLC0415
 
-    backend.HOPPER_PREFILL_MIN_WORK[128] = 2 ** args.min_work
-    print(f"# Hopper prefill bound at head_dim 128: {backend.HOPPER_PREFILL_MIN_WORK[128]} packed rows x keys",
+    backend.HOPPER_PREFILL_BOUNDS[128] = ((256, 2 ** args.min_work),)
+    print(f"# Hopper prefill bound at head_dim 128: 256 packed rows, {2 ** args.min_work} packed rows x keys",
           flush=True)
     sys.exit(cli(engine_args))
 

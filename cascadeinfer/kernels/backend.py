@@ -8,10 +8,9 @@ launcher that has one takes ``backend``:
 * ``None`` (default): the device-specific kernel where it runs (device, Triton version,
   shapes; see :func:`prefill_declines`) and is measured at least 10% faster, else the
   portable kernel — silently, since both give the same answer. For the Hopper prefill
-  kernel that is one group (shared-prefix attention) of at least
-  :data:`HOPPER_PREFILL_MIN_ROWS` packed query rows and :data:`HOPPER_PREFILL_MIN_WORK`
-  packed rows x keys (:func:`pick_prefill_backend`; benchmarks/NOTES.md, "Prefix /
-  prefill kernel", v5). A cascade applies the same bounds to each prefill level from the
+  kernel that is one group (shared-prefix attention) whose packed query rows and packed
+  rows x keys reach one of :data:`HOPPER_PREFILL_BOUNDS` (:func:`pick_prefill_backend`;
+  benchmarks/NOTES.md, "Prefix / prefill kernel", v5 and v8). A cascade applies the same bounds to each prefill level from the
   level's own keys at plan time (:func:`hopper_prefill_shape`), not from its page table's
   capacity (:class:`~cascadeinfer.MultiLevelCascadeAttention`).
 * ``"portable"``: always the portable ``tl.dot`` kernel (the reference; what the CPU
@@ -35,16 +34,18 @@ BACKENDS = ("portable", "hopper")
 # Triton versions the Hopper kernels were tested with (Gluon's API moves between releases).
 HOPPER_TRITON_VERSIONS = ("3.6.",)
 
-# backend=None picks the Hopper prefill kernel for one group of at least
-# HOPPER_PREFILL_MIN_ROWS packed query rows and, per head_dim, HOPPER_PREFILL_MIN_WORK
-# packed rows x keys (an upper bound from shapes: rows x the page table's capacity). On the
-# H100 (Hq 32, bf16, page 16; benchmarks/NOTES.md, "Prefix / prefill kernel", v5): at head_dim
-# 128 every measured shape past both bounds ran 1.10-1.26x the portable kernel's speed
-# (Hkv 1, 8 and 32) and every Hkv 8 shape below them less than 1.10x but one (1024 rows over
-# 4K keys, 1.10x); 128 rows of one head (Hkv 32) over 64K keys, memory-bound, ran 0.99x.
+# backend=None picks the Hopper prefill kernel for one group whose packed query rows and
+# packed rows x keys (an upper bound from shapes: rows x the page table's capacity) reach
+# both numbers of one of its head_dim's (rows, rows x keys) pairs. On the H100 (Hq 32,
+# bf16, page 16; benchmarks/NOTES.md, "Prefix / prefill kernel", v5): at head_dim 128 every
+# measured shape from 256 rows and 2^23 ran 1.10-1.26x the portable kernel's speed (Hkv 1,
+# 8 and 32), every Hkv 8 shape below less than 1.10x but one (1024 rows over 4K keys,
+# 1.10x); 128 rows of one head (Hkv 32) over 64K keys, memory-bound, ran 0.99x. With the
+# kernel in FlashAttention-3's order (v8, on an H200) 512 rows over 8K keys and 1024 over 4K
+# (2^22) ran 1.12x and 1.14x, and the cascade's prefix level of 1024 rows over 4K keys beside
+# 128-384 keys of decode 0.88-1.01x the time; 256 rows over 16K keys (2^22) stays below.
 # At head_dim 64 the gain is smaller: 1.09-1.10x at 2^23, 1.11-1.13x from 2^25.
-HOPPER_PREFILL_MIN_ROWS = 256
-HOPPER_PREFILL_MIN_WORK = {64: 2**25, 128: 2**23}
+HOPPER_PREFILL_BOUNDS = {64: ((256, 2**25),), 128: ((256, 2**23), (512, 2**22))}
 
 # The Hopper prefill kernel's head dims and (BLOCK_N, K slots, V slots) for each: shared
 # memory is (128 Q rows + slots * BLOCK_N) * head_dim * 2 bytes (224 KiB at 128, 144 KiB
@@ -141,21 +142,19 @@ def tma_rows(kv) -> int | None:
 def hopper_prefill_shape(rows: int, max_keys: int, head_dim: int, num_groups: int) -> bool:
     """Whether a prefill launch of ``num_groups`` groups, ``rows`` packed query rows (query
     tokens x query heads per kv head) and at most ``max_keys`` keys a group is inside the
-    shape bounds where ``backend=None`` takes the Hopper kernel: one group of at least
-    :data:`HOPPER_PREFILL_MIN_ROWS` rows and :data:`HOPPER_PREFILL_MIN_WORK` rows x keys.
+    shape bounds where ``backend=None`` takes the Hopper kernel: one group whose rows and
+    rows x keys reach one of :data:`HOPPER_PREFILL_BOUNDS`'s pairs for ``head_dim``.
     The device and the tensors (:func:`prefill_declines`) decide the rest at the launch."""
-    min_work = HOPPER_PREFILL_MIN_WORK.get(head_dim)
-    return (num_groups == 1 and rows >= HOPPER_PREFILL_MIN_ROWS and min_work is not None
-            and rows * max_keys >= min_work)
+    return num_groups == 1 and any(rows >= min_rows and rows * max_keys >= min_work
+                                   for min_rows, min_work in HOPPER_PREFILL_BOUNDS.get(head_dim, ()))
 
 
 def pick_prefill_backend(backend: str | None, q: torch.Tensor, kv, causal: bool, block_m: int,
                          num_groups: int) -> str:
     """The backend a prefill launch of ``num_groups`` groups runs on (see the module
     docstring): ``backend`` if given (``"hopper"`` raising where it cannot run); for None
-    the Hopper kernel where it runs, on one group of at least :data:`HOPPER_PREFILL_MIN_ROWS`
-    packed rows and :data:`HOPPER_PREFILL_MIN_WORK` packed rows x keys, else the portable
-    kernel."""
+    the Hopper kernel where it runs, on one group inside :data:`HOPPER_PREFILL_BOUNDS`
+    (:func:`hopper_prefill_shape`), else the portable kernel."""
     if backend == "portable":
         return "portable"
     if backend is None:  # the shape bounds first: they cost nothing, the declines ask the device

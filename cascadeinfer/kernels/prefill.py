@@ -378,8 +378,8 @@ def batch_prefill_paged(
             many as fill one wave of programs (:func:`default_num_splits`, from shapes).
             Fewer leave SMs free for work on another stream (the cascade's suffix decode).
         backend: ``None`` (the Hopper kernel where it runs and is measured >= 10% faster:
-            one group of >= 256 packed rows and >= 2^23 packed rows x keys, 2^25 at
-            head_dim 64; else the portable kernel),
+            one group of >= 256 packed rows and >= 2^23 packed rows x keys or >= 512 rows
+            and >= 2^22, from 256 rows and 2^25 at head_dim 64; else the portable kernel),
             ``"portable"`` or ``"hopper"`` (the warp-specialised TMA kernel on compute
             capability 9.0, 1.09-1.23x faster at >= 128 queries over >= 8K shared keys; a
             ``ValueError`` where it cannot run): :mod:`cascadeinfer.kernels.backend`.

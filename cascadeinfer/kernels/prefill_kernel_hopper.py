@@ -19,20 +19,24 @@ What differs is how a program spends its SM (the ideas of FlashAttention-3):
 * **Two consumer warpgroups, 64 rows each**, that never wait for each other: each runs
   ``S = Q Kᵀ`` (``wgmma``, Q and K in shared memory), the online softmax in registers and
   ``O += P V`` (``wgmma``, P from registers) on its own rows, and releases the slots it
-  read with its own mbarrier arrivals. Each step issues the next tile's scores before
-  this tile's softmax, so the softmax runs while they are on the tensor cores (only
-  products' outputs are in flight then, never their operand registers, which ptxas
-  would otherwise wait for first).
+  read with its own mbarrier arrivals. Each step issues tile t's scores together with
+  tile t - 1's P·V and runs tile t's softmax while both are on the tensor cores
+  (FlashAttention-3's order). Where each wait sits is chosen against ptxas, which hoists
+  a wait for every product (and the slot releases and the rescale that follow one) as
+  far up its block as it can: the releases come at the top of the next step, and a
+  barrier wait ends the block between the softmax and the wait for P·V.
 
-Status (H100, benchmarks/NOTES.md "Prefix / prefill kernel", v5): it passes its GPU tests
+Status (benchmarks/NOTES.md "Prefix / prefill kernel", v5-v8): it passes its GPU tests
 (``tests/test_prefill_hopper.py``: the float64 reference, edges, splits, NaN/inf, graph
 capture, the cascade) and runs 1.09-1.23x the portable kernel's speed at >= 128 queries
-over >= 8K keys (0.59-0.85 of the matmul rate), but slower on prefixes of 1K keys, and
+over >= 8K keys on the H100 (0.59-0.85 of the matmul rate; v8 on the H200: 0.75-0.90 at
+>= 256 queries over >= 8K keys), but slower on prefixes of 1K keys, and
 beside a decode level on a side stream (the cascade's schedule) it holds its SMs whole
 (all their registers and shared memory). The launchers run it when asked
 (``backend="hopper"``) and, with ``backend=None``, for one large group (at head_dim 128:
->= 256 packed rows, >= 2^23 packed rows x keys; :mod:`cascadeinfer.kernels.backend`); the
-cascade only when asked. Its TMA
+>= 256 packed rows and 2^23 packed rows x keys, or 512 and 2^22;
+:mod:`cascadeinfer.kernels.backend`); the
+cascade per level by the same rule. Its TMA
 descriptors hold the cache's address: recordings re-point them in every replay, which the
 direct launcher encodes at each launch as Triton's launcher would (checked byte for byte
 when prepared; :mod:`cascadeinfer.kernels.direct_launch`).
@@ -178,40 +182,37 @@ def _softmax_tile(qk, l_i, m_i, keys, tile_lo, split_hi, qk_scale, MASK: ttgl.co
 
 
 @gluon.jit
-def _tile_step(t, q_rows, k_bufs, v_bufs, bars, acc, qk, l_i, m_i, s_zero, keys, split_lo, split_hi, qk_scale,
-               p_layout: ttgl.constexpr, MASK: ttgl.constexpr, NEXT: ttgl.constexpr):
-    """Tile ``t``: (NEXT) tile ``t + 1``'s scores issued, tile ``t``'s softmax on ``qk``
-    while they run, the output rescaled, then tile ``t``'s P·V, waited with the scores.
-    Only products' outputs are in flight during the softmax (never operand registers),
-    so ptxas has no reason to wait for them before it. Returns ``(acc, qk_next, l, m)``."""
+def _tile_step(t, q_rows, k_bufs, v_bufs, bars, acc, p16, l_i, m_i, s_zero, keys, split_lo, split_hi, qk_scale,
+               MASK: ttgl.constexpr):
+    """Tile ``t >= 1``: its scores and tile ``t - 1``'s P·V issued together, tile ``t``'s
+    softmax while both run, then the output rescaled and tile ``t``'s P kept in registers
+    for the next step. Returns ``(acc, p16, l, m)``; ``acc`` then holds tiles ``< t``
+    scaled to tile ``t``'s running maximum."""
     _, k_ready, v_ready, k_empty, v_empty = bars
     K_STAGES: ttgl.constexpr = k_bufs.shape[0]
     V_STAGES: ttgl.constexpr = v_bufs.shape[0]
     BLOCK_N: ttgl.constexpr = k_bufs.shape[1]
-    if t >= 1:
-        # Tile t - 1's K and V are done (the last step's final wait); released here, at
-        # the top of the step, where no product is in flight (an arrival releases every
-        # shared-memory read before it, so ptxas would wait for one in flight).
+    if t >= 2:
+        # Tile t - 1's K and tile t - 2's V, done at the last step's final wait, released
+        # here where no product is in flight: an arrival releases every shared-memory read
+        # before it, and ptxas hoists it (with a wait for all products) to the top of its block.
         mbarrier.arrive(k_empty.index((t - 1) % K_STAGES))
-        mbarrier.arrive(v_empty.index((t - 1) % V_STAGES))
-    if NEXT:
-        kn = (t + 1) % K_STAGES
-        mbarrier.wait(k_ready.index(kn), ((t + 1) // K_STAGES) & 1)
-        fence_async_shared()
-        qk_next = warpgroup_mma(q_rows, k_bufs.index(kn).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    p, alpha, l_i, m_i = _softmax_tile(qk, l_i, m_i, keys, split_lo + t * BLOCK_N, split_hi, qk_scale, MASK)
-    acc = acc * ttgl.expand_dims(ttgl.convert_layout(alpha, ttgl.SliceLayout(1, acc.type.layout)), 1)
-    p16 = ttgl.convert_layout(p.to(k_bufs.dtype), p_layout)
-    vs = t % V_STAGES
-    mbarrier.wait(v_ready.index(vs), (t // V_STAGES) & 1)
+        mbarrier.arrive(v_empty.index((t - 2) % V_STAGES))
+    ks = t % K_STAGES
+    mbarrier.wait(k_ready.index(ks), (t // K_STAGES) & 1)
     fence_async_shared()
-    acc = warpgroup_mma(p16, v_bufs.index(vs), acc, is_async=True)
-    if NEXT:
-        qk_next, acc = warpgroup_mma_wait(0, deps=(qk_next, acc))
-    else:
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-        qk_next = qk
-    return acc, qk_next, l_i, m_i
+    qk = warpgroup_mma(q_rows, k_bufs.index(ks).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    acc = warpgroup_mma(p16, v_bufs.index((t - 1) % V_STAGES), acc, is_async=True)
+    qk = warpgroup_mma_wait(1, deps=(qk,))  # the scores; P·V stays in flight
+    p, alpha, l_i, m_i = _softmax_tile(qk, l_i, m_i, keys, split_lo + t * BLOCK_N, split_hi, qk_scale, MASK)
+    # Tile t's V (the next product's) is waited here, between the softmax and the wait for
+    # P·V: the wait loop ends a block, and ptxas does not hoist the wait for P·V, nor the
+    # rescale after it, out of its block into the softmax it is to run under.
+    mbarrier.wait(v_ready.index(t % V_STAGES), (t // V_STAGES) & 1)
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    acc = acc * ttgl.expand_dims(ttgl.convert_layout(alpha, ttgl.SliceLayout(1, acc.type.layout)), 1)
+    p16 = ttgl.convert_layout(p.to(k_bufs.dtype), p16.type.layout)
+    return acc, p16, l_i, m_i
 
 
 @gluon.jit
@@ -224,7 +225,7 @@ def _consumer(
     HALF: ttgl.constexpr, GROUP_SIZE: ttgl.constexpr, HEAD_DIM: ttgl.constexpr,
 ):
     """Rows ``HALF * 64 .. + 64`` of the tile: the key loop, then the finished state."""
-    q_bar, k_ready, _, k_empty, v_empty = bars
+    q_bar, k_ready, v_ready, k_empty, v_empty = bars
     K_STAGES: ttgl.constexpr = k_bufs.shape[0]
     V_STAGES: ttgl.constexpr = v_bufs.shape[0]
     BLOCK_N: ttgl.constexpr = k_bufs.shape[1]
@@ -245,21 +246,31 @@ def _consumer(
 
     mbarrier.wait(q_bar, 0)
     if n_tiles > 0:
-        # Tile 0's scores; then each step issues the next tile's scores before this tile's
-        # softmax, which runs while they are on the tensor cores (FlashAttention-3's
-        # overlap inside a warpgroup, with the scores rather than P·V in flight). Only the
-        # split's last tile can be partial: it is the last step, masked and with nothing
-        # next; the others have no branch between a product's issue and its wait.
+        # Tile 0: its scores and softmax alone. Then each step issues tile t's scores with
+        # tile t - 1's P·V and runs tile t's softmax while both are on the tensor cores
+        # (FlashAttention-3's order); the last P·V follows the loop. Only the split's last
+        # tile can be partial, so only the first and the last softmax mask.
         mbarrier.wait(k_ready.index(0), 0)
         fence_async_shared()
-        qk = warpgroup_mma(q_rows, k_bufs.index(0).permute((1, 0)), s_zero, use_acc=False)
-        for t in range(n_tiles - 1):
-            acc, qk, l_i, m_i = _tile_step(t, q_rows, k_bufs, v_bufs, bars, acc, qk, l_i, m_i, s_zero, keys,
-                                           split_lo, split_hi, qk_scale, p_l, False, True)
-        acc, qk, l_i, m_i = _tile_step(n_tiles - 1, q_rows, k_bufs, v_bufs, bars, acc, qk, l_i, m_i, s_zero,
-                                       keys, split_lo, split_hi, qk_scale, p_l, True, False)
-        mbarrier.arrive(k_empty.index((n_tiles - 1) % K_STAGES))
-        mbarrier.arrive(v_empty.index((n_tiles - 1) % V_STAGES))
+        qk = warpgroup_mma(q_rows, k_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        qk = warpgroup_mma_wait(0, deps=(qk,))
+        p, _, l_i, m_i = _softmax_tile(qk, l_i, m_i, keys, split_lo, split_hi, qk_scale, True)
+        mbarrier.arrive(k_empty.index(0))
+        mbarrier.wait(v_ready.index(0), 0)
+        p16 = ttgl.convert_layout(p.to(k_bufs.dtype), p_l)
+        for t in range(1, n_tiles - 1):
+            acc, p16, l_i, m_i = _tile_step(t, q_rows, k_bufs, v_bufs, bars, acc, p16, l_i, m_i, s_zero, keys,
+                                            split_lo, split_hi, qk_scale, False)
+        if n_tiles > 1:
+            acc, p16, l_i, m_i = _tile_step(n_tiles - 1, q_rows, k_bufs, v_bufs, bars, acc, p16, l_i, m_i, s_zero,
+                                            keys, split_lo, split_hi, qk_scale, True)
+            mbarrier.arrive(k_empty.index((n_tiles - 1) % K_STAGES))
+            mbarrier.arrive(v_empty.index((n_tiles - 2) % V_STAGES))
+        vs = (n_tiles - 1) % V_STAGES
+        fence_async_shared()
+        acc = warpgroup_mma(p16, v_bufs.index(vs), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(v_empty.index(vs))
 
     # ---- finish (softmax.finish_state's rules) and store
     l_o = ttgl.convert_layout(l_i, row_o)
