@@ -244,11 +244,11 @@ class MultiLevelCascadeAttention:
             (per level, as :func:`~cascadeinfer.batch_prefill_paged` picks, with the
             bounds taken from the level's own keys at plan time: the Hopper kernel on
             compute capability 9.0 for one group of >= 256 packed rows over >= 2^23 packed
-            rows x keys or >= 512 rows over >= 2^22, else the portable kernel; a plan with ``use_cuda_graph`` keeps its
-            first plan's pick), ``"portable"``, or ``"hopper"`` (the warp-specialised
-            kernel for every such level; a level it does not run, e.g. a group of fewer
-            than 65 packed rows, raises a ``ValueError`` at ``run``). Decode levels always
-            run the decode kernel.
+            rows x keys or >= 512 rows over >= 2^22, else the portable kernel; a plan with
+            ``use_cuda_graph`` keeps its first plan's pick), ``"portable"``, or ``"hopper"``
+            (the warp-specialised kernel for every such level; a level it does not run,
+            e.g. a group of fewer than 65 packed rows, raises a ``ValueError`` at ``run``).
+            Decode levels always run the decode kernel.
 
     Example (two levels, shared-prefix batch decode)::
 

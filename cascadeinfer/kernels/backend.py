@@ -10,9 +10,10 @@ launcher that has one takes ``backend``:
   portable kernel — silently, since both give the same answer. For the Hopper prefill
   kernel that is one group (shared-prefix attention) whose packed query rows and packed
   rows x keys reach one of :data:`HOPPER_PREFILL_BOUNDS` (:func:`pick_prefill_backend`;
-  benchmarks/NOTES.md, "Prefix / prefill kernel", v5 and v8). A cascade applies the same bounds to each prefill level from the
-  level's own keys at plan time (:func:`hopper_prefill_shape`), not from its page table's
-  capacity (:class:`~cascadeinfer.MultiLevelCascadeAttention`).
+  benchmarks/NOTES.md, "Prefix / prefill kernel", v5 and v8). A cascade applies the same
+  bounds to each prefill level from the level's own keys at plan time
+  (:func:`hopper_prefill_shape`), not from its page table's capacity
+  (:class:`~cascadeinfer.MultiLevelCascadeAttention`).
 * ``"portable"``: always the portable ``tl.dot`` kernel (the reference; what the CPU
   interpreter runs).
 * ``"hopper"``: the Hopper kernel, or a ``ValueError`` saying why it cannot run here.
